@@ -1,0 +1,65 @@
+"""The batched proposer interface used by the speculative loop."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..sequences import TokenBatch
+
+# Called after each draft position with (position, draft probability of each proposed token `[batch]`); returns
+# `[batch]` bool, False where a row stops drafting, or None to keep going.
+EarlyStop = Callable[[int, torch.Tensor], "torch.BoolTensor | None"]
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for every active row.
+
+    Rows propose different numbers of tokens; `tokens` is padded to the longest row with placeholder tokens (ignored
+    by the verifier: only the first `lengths[b]` entries of row `b` are draft tokens).
+    """
+
+    tokens: torch.LongTensor  # [batch, max_length] draft tokens, placeholder-padded
+    lengths: torch.LongTensor  # [batch] draft length per row (0 allowed)
+    probs: torch.Tensor | None  # [batch, max_length, vocab] distribution q each token was sampled from; None = one-hot
+
+    @property
+    def max_length(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+class BatchedProposer(ABC):
+    """A proposer the batched loop drives: it proposes per-row draft tokens and tracks what it has seen.
+
+    Lifecycle in one `generate` call: `start` once, then per step `propose` -> `commit`, and `select_rows` whenever
+    finished rows leave the batch.
+    """
+
+    #: proposer counts its own model forwards here (0 for model-free proposers)
+    forwards: int = 0
+
+    def start(self, batch: TokenBatch) -> None:
+        """Begin a new `generate` call on `batch` (the prompt plus the first generated token)."""
+        self.forwards = 0
+
+    @abstractmethod
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+    ) -> Proposal:
+        """Propose up to `lengths[b]` (`[batch]`, 0 allowed) draft tokens for each row of `batch`."""
+
+    def commit(self, batch: TokenBatch, proposal: Proposal, accepted: torch.LongTensor) -> None:
+        """After verification: `accepted[b]` leading draft tokens of row `b` were kept; `batch` is already updated."""
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        """Keep only the rows at indices `keep` (finished rows leave the batch)."""
+
+    def release(self) -> None:
+        """Free per-call state (caches) at the end of `generate`."""

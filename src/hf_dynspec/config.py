@@ -1,0 +1,125 @@
+"""Settings of the speculative loop: [`DynSpecConfig`]."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GENERATION_CONFIG_KEY = "dynspec"
+"""Key under which the settings live in a model's `generation_config.json`."""
+
+
+@dataclass
+class DynSpecConfig:
+    """Settings of the speculative loop, passed to `generate` as `dynspec_config=`.
+
+    Every field is validated on construction; an invalid value raises `ValueError` naming the field.
+
+    Example:
+
+    ```python
+    >>> from hf_dynspec import DynSpecConfig
+    >>> config = DynSpecConfig(num_speculative_tokens=4, policy="static")
+    ```
+    """
+
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata={"help": "Maximum number of draft tokens a row may speculate in one step (the static length)."},
+    )
+    policy: str = field(
+        default="static",
+        metadata={"help": "Name of the policy that chooses each row's draft length every step (see `hf_dynspec.policies`)."},
+    )
+    policy_options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"help": "Policy-specific settings, validated by the policy when it is built."},
+    )
+    prompt_lookup_max_ngram: int = field(
+        default=3,
+        metadata={"help": "Longest n-gram the prompt-lookup proposer tries to match (it falls back to shorter ones)."},
+    )
+    prompt_lookup_min_ngram: int = field(
+        default=1,
+        metadata={"help": "Shortest n-gram the prompt-lookup proposer accepts as a match."},
+    )
+    compact_min_holes: int = field(
+        default=32,
+        metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
+    )
+    compact_hole_fraction: float = field(
+        default=0.25,
+        metadata={"help": "KV-cache compaction runs when freeable columns exceed this fraction of the cache length."},
+    )
+    collect_step_stats: bool = field(
+        default=True,
+        metadata={"help": "Record one `StepRecord` per step in `dynspec_stats` (totals are always kept)."},
+    )
+
+    def __post_init__(self) -> None:
+        self._check_int("num_speculative_tokens", minimum=0)
+        self._check_int("prompt_lookup_max_ngram", minimum=1)
+        self._check_int("prompt_lookup_min_ngram", minimum=1)
+        self._check_int("compact_min_holes", minimum=1)
+        if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
+            raise ValueError(
+                f"`prompt_lookup_min_ngram` ({self.prompt_lookup_min_ngram}) must not exceed "
+                f"`prompt_lookup_max_ngram` ({self.prompt_lookup_max_ngram})."
+            )
+        if not isinstance(self.compact_hole_fraction, (int, float)) or not 0.0 < self.compact_hole_fraction <= 1.0:
+            raise ValueError(f"`compact_hole_fraction` must be a number in (0, 1], got {self.compact_hole_fraction!r}.")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError(f"`policy` must be a policy name such as 'static', got {self.policy!r}.")
+        if not isinstance(self.policy_options, dict):
+            raise ValueError(f"`policy_options` must be a dict, got {type(self.policy_options).__name__}.")
+        if not isinstance(self.collect_step_stats, bool):
+            raise ValueError(f"`collect_step_stats` must be a bool, got {self.collect_step_stats!r}.")
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+    # ---- serialisation -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DynSpecConfig:
+        """Build from a dict; unknown keys raise `ValueError` listing the valid ones."""
+        if not isinstance(data, dict):
+            raise ValueError(f"A DynSpecConfig is built from a dict, got {type(data).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown DynSpecConfig key(s) {unknown}; valid keys are {sorted(known)}.")
+        return cls(**data)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> DynSpecConfig:
+        """Build from a JSON file holding the dict form."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def coerce(cls, value: DynSpecConfig | dict[str, Any] | str | Path | None) -> DynSpecConfig:
+        """Accept a config, a dict, a JSON file path or `None` (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, (str, Path)):
+            return cls.from_json_file(value)
+        raise ValueError(
+            f"`dynspec_config` must be a DynSpecConfig, a dict or a JSON file path, got {type(value).__name__}."
+        )
+
+    @classmethod
+    def help_texts(cls) -> dict[str, str]:
+        """The help text of every field, for documentation and command lines."""
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
