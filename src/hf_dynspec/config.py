@@ -6,7 +6,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 GENERATION_CONFIG_KEY = "dynspec"
 """Key under which the settings live in a model's `generation_config.json`."""
@@ -118,6 +121,62 @@ class DynSpecConfig:
         raise ValueError(
             f"`dynspec_config` must be a DynSpecConfig, a dict or a JSON file path, got {type(value).__name__}."
         )
+
+    def to_generation_config(self, generation_config: GenerationConfig) -> GenerationConfig:
+        """Store these settings in `generation_config` under the `dynspec` key and return it.
+
+        The settings are kept as a plain dict, so `generation_config.save_pretrained` (and a model's
+        `save_pretrained`) write them to `generation_config.json` and `GenerationConfig.from_pretrained` reads them
+        back; [`from_generation_config`][hf_dynspec.config.DynSpecConfig.from_generation_config] turns them into a
+        `DynSpecConfig` again.
+
+        Example:
+
+        ```python
+        >>> from transformers import GenerationConfig
+        >>> generation_config = DynSpecConfig(num_speculative_tokens=6).to_generation_config(GenerationConfig())
+        >>> generation_config.dynspec["num_speculative_tokens"]
+        6
+        ```
+        """
+        from transformers import GenerationConfig
+
+        if not isinstance(generation_config, GenerationConfig):
+            raise ValueError(
+                f"`to_generation_config` expects a transformers GenerationConfig, got {type(generation_config).__name__}; "
+                "pass `model.generation_config` or a `GenerationConfig(...)`."
+            )
+        setattr(generation_config, GENERATION_CONFIG_KEY, self.to_dict())
+        # A config marked as derived from the model config drops every extra attribute when it is loaded again;
+        # once it carries our settings it is the model's own generation config (transformers' Seq2SeqTrainer does
+        # the same when it edits a model's generation config).
+        generation_config._from_model_config = False
+        return generation_config
+
+    @classmethod
+    def from_generation_config(cls, generation_config: GenerationConfig | None) -> DynSpecConfig | None:
+        """The settings stored under the `dynspec` key of `generation_config`, or `None` when there are none.
+
+        Missing fields take their defaults; an unknown field or an invalid value raises `ValueError` naming the
+        generation config key, the field and the valid choices.
+        """
+        value = getattr(generation_config, GENERATION_CONFIG_KEY, None) if generation_config is not None else None
+        if value is None:
+            return None
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"The generation config's `{GENERATION_CONFIG_KEY}` entry must be a dict of DynSpecConfig settings, "
+                f"got {type(value).__name__}; write it with `DynSpecConfig(...).to_generation_config(...)`."
+            )
+        try:
+            return cls.from_dict(value)
+        except ValueError as error:
+            raise ValueError(
+                f"Invalid `{GENERATION_CONFIG_KEY}` entry in the generation config: {error} "
+                f"Fix or remove that entry of `generation_config.json`."
+            ) from error
 
     @classmethod
     def help_texts(cls) -> dict[str, str]:
