@@ -1,0 +1,108 @@
+"""KV caches of a ragged batch: rejected entries become masked holes, later trimmed or compacted.
+
+Every row of a batch shares one cache length, but rows accept different numbers of draft tokens. Rather than copy
+caches after every step, the loop keeps a `[batch, length]` validity mask next to the cache and hands it to the model
+as the 2D attention mask (with explicit per-row position ids), so a rejected entry is a *hole*: present in memory,
+invisible to attention. Two cheap operations keep memory bounded:
+
+- *trim* after every step: columns that are holes in every row at the end of the cache are cut off (a slice);
+- *compaction* when holes pile up: each row's valid columns are gathered to the right (left padding preserved), so the
+  cache shrinks to the longest row. It runs only when at least `DynSpecConfig.compact_min_holes` columns and more than
+  `compact_hole_fraction` of the cache would be freed, so its copy is amortised over many steps and the cache never
+  holds more than about `1 / (1 - compact_hole_fraction)` times (plus `compact_min_holes` columns) what the longest row
+  needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+def check_cache_supported(cache: Cache | None, who: str) -> None:
+    """Raise a clear error unless `cache` is a `DynamicCache` of plain full-attention layers."""
+    if cache is None:
+        return
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"The {who} uses a {type(cache).__name__}; hf_dynspec needs the default dynamic KV cache because it masks "
+            "and compacts rejected entries. Remove `cache_implementation` / `past_key_values` from the generate call "
+            "(static, quantized and offloaded caches are not supported)."
+        )
+    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if odd:
+        raise ValueError(
+            f"The {who}'s KV cache has layers of type {odd}, which cannot hold masked entries or be cropped and "
+            "compacted (sliding-window, linear-attention and quantized layers). Use a model with full attention in "
+            "every layer as the {who}."
+        )
+
+
+class RaggedCache:
+    """A `DynamicCache` plus the validity of each of its columns for every row."""
+
+    def __init__(self, cache: DynamicCache, valid: torch.LongTensor, min_holes: int, hole_fraction: float) -> None:
+        self.cache = cache
+        self.valid = valid  # [batch, length] 1 where the entry is part of the row's sequence
+        self.min_holes = min_holes
+        self.hole_fraction = hole_fraction
+        self.compactions = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.valid.shape[1])
+
+    def begin(self, query_mask: torch.LongTensor) -> torch.LongTensor:
+        """Register the columns a forward is about to append and return its 2D attention mask.
+
+        Args:
+            query_mask: `[batch, width]` 1 for real input tokens, 0 for padding inside the input block.
+
+        Returns:
+            `[batch, length + width]` attention mask covering the cache and the new tokens.
+        """
+        self.valid = torch.cat([self.valid, query_mask.to(self.valid.device, self.valid.dtype)], dim=1)
+        return self.valid
+
+    def set_last(self, validity: torch.LongTensor) -> None:
+        """Overwrite the validity of the last `validity.shape[1]` columns (`[batch, width]`)."""
+        width = validity.shape[1]
+        if width:
+            self.valid[:, -width:] = validity.to(self.valid.device, self.valid.dtype)
+
+    def settle(self) -> None:
+        """Trim trailing holes and compact when enough holes have accumulated."""
+        self._trim()
+        freeable = self.length - int(self.valid.sum(dim=1).max()) if self.length else 0
+        if freeable >= self.min_holes and freeable > self.hole_fraction * self.length:
+            self._compact()
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        """Keep only the rows at indices `keep` (`[new_batch]`)."""
+        self.cache.batch_select_indices(keep.to(self.valid.device))
+        self.valid = self.valid[keep]
+        self.settle()
+
+    def _layers(self) -> list[DynamicLayer]:
+        return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys.numel()]
+
+    def _trim(self) -> None:
+        used = self.valid.any(dim=0).nonzero()
+        new_length = int(used.max()) + 1 if used.numel() else 0
+        if new_length == self.length:
+            return
+        for layer in self._layers():
+            layer.keys = layer.keys[..., :new_length, :]
+            layer.values = layer.values[..., :new_length, :]
+        self.valid = self.valid[:, :new_length]
+
+    def _compact(self) -> None:
+        new_length = int(self.valid.sum(dim=1).max())
+        # A stable sort puts each row's holes first and its valid columns last, in their original order.
+        order = torch.sort(self.valid, dim=1, stable=True).indices[:, -new_length:]  # [batch, new_length]
+        for layer in self._layers():
+            index = order.to(layer.keys.device)[:, None, :, None]  # [batch, 1, new_length, 1]
+            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        self.valid = self.valid.gather(1, order)
+        self.compactions += 1

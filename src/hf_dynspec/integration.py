@@ -1,0 +1,69 @@
+"""Entry points: `hf_dynspec.generate(model, ...)`, and `enable` / `disable` for plain `model.generate`."""
+
+from __future__ import annotations
+
+import functools
+
+from transformers import GenerationMixin, PreTrainedModel
+
+from .loop import speculative_loop
+from .validation import check_vocabularies
+
+
+def generate(model: PreTrainedModel, inputs=None, **kwargs):
+    """Run transformers' `generate` on `model` with the speculative loop.
+
+    Takes every argument `model.generate` takes, plus `dynspec_config` and `dynspec_policy`. `assistant_model` and
+    `streamer` are handed to the loop explicitly (transformers does not forward them to a callable
+    `custom_generate`).
+    """
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("`custom_generate` is set by hf_dynspec.generate itself; remove it from the call.")
+    kwargs.pop("custom_generate", None)
+    assistant_model = kwargs.get("assistant_model")
+    if assistant_model is not None:
+        check_vocabularies(model, assistant_model)
+    loop = functools.partial(speculative_loop, assistant_model=assistant_model, streamer=kwargs.get("streamer"))
+    return GenerationMixin.generate(model, inputs, custom_generate=loop, **kwargs)
+
+
+def _wants_speculation(model: PreTrainedModel, kwargs: dict) -> bool:
+    if kwargs.get("custom_generate") is not None:
+        return False
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    lookup = kwargs.get("prompt_lookup_num_tokens", generation_config.prompt_lookup_num_tokens)
+    return kwargs.get("assistant_model") is not None or lookup is not None
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Route `model.generate(..., assistant_model=draft)` (or `prompt_lookup_num_tokens=n`) through hf_dynspec.
+
+    Only this model object changes (its `generate` attribute); calls without a proposer, or with their own
+    `custom_generate`, run transformers' original `generate`. Undo with [`disable`].
+    """
+    if getattr(model, "_dynspec_original_generate", None) is not None:
+        return model
+    original = model.generate
+
+    @functools.wraps(original)
+    def dynspec_generate(*args, **kwargs):
+        if _wants_speculation(model, kwargs):
+            return generate(model, *args, **kwargs)
+        return original(*args, **kwargs)
+
+    model._dynspec_original_generate = original
+    model.generate = dynspec_generate
+    return model
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Restore the `generate` that [`enable`] replaced."""
+    original = getattr(model, "_dynspec_original_generate", None)
+    if original is None:
+        return model
+    if "generate" in model.__dict__:
+        del model.__dict__["generate"]
+    if getattr(original, "__self__", None) is not model:
+        model.generate = original  # it was an instance attribute before enable (e.g. a Hub custom_generate)
+    model._dynspec_original_generate = None
+    return model

@@ -1,0 +1,378 @@
+"""The batched speculative decoding loop, usable as `generate(..., custom_generate=speculative_loop)`."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import RaggedCache, check_cache_supported
+from .candidates.base import BatchedProposer, Proposal
+from .candidates.draft_model import DraftModelProposer
+from .candidates.prompt_lookup import PromptLookupProposer
+from .config import DynSpecConfig
+from .placement import Placement
+from .policies import DraftLengthPolicy, PolicyInput, StepFeedback, build_policy
+from .processors import process_logits
+from .sequences import TokenBatch
+from .stats import DynSpecStats, StepRecord
+from .validation import validate_inputs
+from .verification import verify_greedy, verify_sampling
+
+
+@dataclass
+class DynSpecOutput(GenerateDecoderOnlyOutput):
+    """`generate` output with the loop's statistics (`return_dict_in_generate=True`).
+
+    `past_key_values` is `None`: the loop's caches hold masked entries and are not meant for reuse.
+    """
+
+    dynspec_stats: DynSpecStats | None = None
+
+
+def speculative_loop(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    assistant_model: PreTrainedModel | None = None,
+    dynspec_config: DynSpecConfig | dict | str | None = None,
+    dynspec_policy: DraftLengthPolicy | None = None,
+    **model_kwargs,
+) -> DynSpecOutput | torch.LongTensor:
+    """Batched speculative decoding; pass it to `generate` as `custom_generate`.
+
+    `generate` prepares inputs, logits processors, stopping criteria and the cache, then calls this loop. Every row of
+    the batch drafts its own number of tokens per step (chosen by the policy of `dynspec_config`) and accepts its own
+    number; greedy output is token-identical to plain greedy `generate`, sampled output follows the target's
+    distribution exactly.
+
+    Args:
+        model: the target model.
+        input_ids: `[batch, prompt_width]` left-padded prompts.
+        assistant_model: the draft model (or `None` with `prompt_lookup_num_tokens` set for prompt lookup).
+        dynspec_config: a [`DynSpecConfig`], its dict form or a JSON path; defaults to the `dynspec` entry of the
+            model's generation config, else `DynSpecConfig()`.
+        dynspec_policy: a policy object to use instead of building one from the config (it keeps what it learned
+            across calls).
+    """
+    assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
+    config = _resolve_config(dynspec_config, generation_config)
+    validate_inputs(model, assistant_model, input_ids, generation_config, model_kwargs, synced_gpus)
+    run = _Run(model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config)
+    run.policy = build_policy(config, dynspec_policy)
+    run.streamer = streamer
+    return run.generate(model_kwargs)
+
+
+class _Run:
+    """State of one `generate` call; `generate` runs prefill then steps until every row has finished."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        draft: PreTrainedModel | None,
+        input_ids: torch.LongTensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        config: DynSpecConfig,
+    ) -> None:
+        self.model = model
+        self.generation_config = generation_config
+        self.config = config
+        self.logits_processor = logits_processor
+        self.extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        self.placement = Placement.of(input_ids.device, model, draft)
+        self.do_sample = bool(generation_config.do_sample)
+        eos = generation_config._eos_token_tensor
+        self.eos = eos.reshape(-1).to(input_ids.device) if eos is not None else None
+        pad = generation_config._pad_token_tensor
+        self.pad_id = int(pad) if pad is not None else 0
+        self.proposer = self._make_proposer(draft)
+        self.max_draft = self._max_draft_tokens()
+        num_rows, width = input_ids.shape
+        max_new = generation_config.max_length - width
+        self.output = input_ids.new_full((num_rows, width + max_new), self.pad_id)
+        self.output[:, :width] = input_ids
+        self.output_generated = torch.zeros(num_rows, dtype=torch.long, device=input_ids.device)
+        self.row_ids = torch.arange(num_rows, device=input_ids.device)
+        self.stats = DynSpecStats(batch_size=num_rows, prompt_length=width)
+        self.input_ids = input_ids
+
+    def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
+        if draft is not None:
+            return DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
+        return PromptLookupProposer(
+            max_ngram=self.config.prompt_lookup_max_ngram,
+            min_ngram=self.config.prompt_lookup_min_ngram,
+            num_output_tokens=int(self.generation_config.prompt_lookup_num_tokens),
+        )
+
+    def _max_draft_tokens(self) -> int:
+        lookup = self.generation_config.prompt_lookup_num_tokens
+        if isinstance(self.proposer, PromptLookupProposer) and lookup is not None:
+            return min(self.config.num_speculative_tokens, int(lookup))
+        return self.config.num_speculative_tokens
+
+    # ---- the whole call ------------------------------------------------------------------------------------------
+    def generate(self, model_kwargs: dict) -> DynSpecOutput | torch.LongTensor:
+        start = self.placement.clock()
+        self.policy.reset(self.input_ids.shape[0])
+        batch = self._prefill(model_kwargs)
+        step = 0
+        while batch.batch_size:
+            batch = self._step(batch, step)
+            step += 1
+        self.proposer.release()
+        self.stats.total_seconds = self.placement.clock() - start
+        self.stats.draft_forwards += self.proposer.forwards
+        if self.streamer is not None:
+            self.streamer.end()
+        sequences = self.output[:, : self.input_ids.shape[1] + int(self.output_generated.max())]
+        if self.generation_config.return_dict_in_generate:
+            return DynSpecOutput(sequences=sequences, dynspec_stats=self.stats)
+        return sequences
+
+    def _prefill(self, model_kwargs: dict) -> TokenBatch:
+        """Run the target over the prompts and pick each row's first token, as plain decoding does."""
+        start = self.placement.clock()
+        input_ids = self.input_ids
+        mask = model_kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask.long()
+        positions = model_kwargs.get("position_ids")
+        if positions is None:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = model_kwargs.get("past_key_values")
+        check_cache_supported(cache, "target model")
+        self.target_cache = RaggedCache(
+            cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction
+        )
+        logits = self._target_forward(input_ids, self.target_cache.begin(mask), positions, 1)  # [batch, 1, vocab]
+        check_cache_supported(cache, "target model")
+        batch = TokenBatch(
+            tokens=self.output.clone(),
+            prompt_width=input_ids.shape[1],
+            num_prompt=mask.sum(dim=1),
+            num_generated=torch.zeros_like(self.output_generated),
+            pad_id=self.pad_id,
+        )
+        scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
+        no_drafts = torch.zeros_like(batch.num_prompt)
+        _, first = self._verify(scores, input_ids[:, :0], no_drafts, None)
+        self.proposer.start(batch)
+        batch = self._emit(batch, first.unsqueeze(1), torch.ones_like(no_drafts), scores)
+        self.stats.prefill_seconds = self.placement.clock() - start
+        return batch
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
+        """Draft, verify in one target forward, accept, emit; returns the batch of rows still running."""
+        requested = self._requested_lengths(batch, step)
+
+        start = self.placement.clock()
+        early_stop = self._early_stop_for(self.row_ids)
+        proposal = self.proposer.propose(batch, requested, early_stop) if int(requested.max()) > 0 else None
+        proposal = proposal or Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None)
+        drafted = self.placement.clock()
+
+        width = proposal.max_length
+        inputs = torch.cat([batch.last_tokens().unsqueeze(1), proposal.tokens], dim=1)  # [batch, 1 + width]
+        positions = (batch.num_real - 1).unsqueeze(1) + torch.arange(width + 1, device=inputs.device)
+        attention_mask = self.target_cache.begin(torch.ones_like(inputs))
+        logits = self._target_forward(inputs, attention_mask, positions, width + 1)  # [batch, 1 + width, vocab]
+        scores = process_logits(self.logits_processor, batch, proposal.tokens, logits, lengths=proposal.lengths)
+        accepted, next_tokens = self._verify(scores, proposal.tokens, proposal.lengths, proposal.probs)
+        verified = self.placement.clock()
+
+        kept = torch.arange(width + 1, device=inputs.device).unsqueeze(0) <= accepted.unsqueeze(1)
+        self.target_cache.set_last(kept.long())
+        self.target_cache.settle()
+        self.proposer.commit(batch, proposal, accepted)
+        # Row b emits its accepted draft tokens, then the recovered or bonus token at index accepted[b].
+        emitted = torch.cat([proposal.tokens, next_tokens.unsqueeze(1)], dim=1)  # [batch, width + 1]
+        emitted.scatter_(1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
+        self._observe(requested, proposal, accepted, drafted - start, verified - drafted, batch)
+        return self._emit(batch, emitted, accepted + 1, scores)
+
+    def _requested_lengths(self, batch: TokenBatch, step: int) -> torch.LongTensor:
+        """The policy's draft lengths, capped so no row drafts past its remaining length budget."""
+        request = PolicyInput(step, self.row_ids, batch.remaining, self.max_draft)
+        lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
+        if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):
+            raise ValueError(
+                f"Policy {type(self.policy).__name__} returned draft lengths {lengths.tolist()}; expected "
+                f"{batch.batch_size} non-negative integers (one per active row)."
+            )
+        return lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0)
+
+    def _early_stop_for(self, row_ids: torch.LongTensor):
+        """Bind the policy's `continue_drafting` hook to this step's rows."""
+        return lambda position, probs: self.policy.continue_drafting(row_ids, position, probs)
+
+    def _target_forward(
+        self, ids: torch.LongTensor, attention_mask: torch.LongTensor, positions: torch.LongTensor, keep: int
+    ) -> torch.Tensor:
+        to_target = self.placement.to_target
+        output = self.model(
+            input_ids=to_target(ids),
+            attention_mask=to_target(attention_mask),
+            position_ids=to_target(positions),
+            past_key_values=self.target_cache.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        self.stats.target_forwards += 1
+        return self.placement.logits_to_loop(output.logits[:, -keep:])
+
+    def _verify(
+        self,
+        scores: torch.Tensor,
+        drafts: torch.LongTensor,
+        lengths: torch.LongTensor,
+        draft_probs: torch.Tensor | None,
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        if self.do_sample:
+            return verify_sampling(scores.softmax(dim=-1), drafts, lengths, draft_probs)
+        return verify_greedy(scores, drafts, lengths)
+
+    # ---- emitting tokens and finishing rows --------------------------------------------------------------------------
+    def _emit(
+        self, batch: TokenBatch, emitted: torch.LongTensor, counts: torch.LongTensor, scores: torch.Tensor
+    ) -> TokenBatch:
+        """Append each row's emitted tokens up to its first stop; move finished rows to the output."""
+        counts = counts.minimum(batch.remaining)
+        finished = counts >= batch.remaining
+        counts, finished = self._cut_at_eos(emitted, counts, finished)
+        counts, finished = self._cut_at_criteria(batch, emitted, counts, finished, scores)
+        batch.append(emitted, counts)
+        self.stats.emitted_tokens += int(counts.sum())
+        if self.stats.steps and self.config.collect_step_stats:
+            self.stats.steps[-1].emitted = counts.tolist()
+        if self.streamer is not None:
+            self.streamer.put(emitted[0, : int(counts[0])].cpu())
+        return self._drop_finished(batch, finished)
+
+    def _cut_at_eos(
+        self, emitted: torch.LongTensor, counts: torch.LongTensor, finished: torch.BoolTensor
+    ) -> tuple[torch.LongTensor, torch.BoolTensor]:
+        if self.eos is None:
+            return counts, finished
+        in_range = torch.arange(emitted.shape[1], device=emitted.device).unsqueeze(0) < counts.unsqueeze(1)
+        is_eos = torch.isin(emitted, self.eos) & in_range  # [batch, width]
+        has_eos = is_eos.any(dim=1)
+        first_eos = is_eos.long().argmax(dim=1)
+        return torch.where(has_eos, first_eos + 1, counts), finished | has_eos
+
+    def _cut_at_criteria(
+        self,
+        batch: TokenBatch,
+        emitted: torch.LongTensor,
+        counts: torch.LongTensor,
+        finished: torch.BoolTensor,
+        scores: torch.Tensor,
+    ) -> tuple[torch.LongTensor, torch.BoolTensor]:
+        """Stopping criteria other than length and EOS (stop strings, max time, user criteria), token by token."""
+        if not self.extra_criteria:
+            return counts, finished
+        counts, finished = counts.clone(), finished.clone()
+        for row in range(batch.batch_size):
+            for i in range(int(counts[row])):
+                prefix = batch.plain_prefix(row, emitted[row, : i + 1])
+                if any(bool(c(prefix, scores[row, i].unsqueeze(0)).any()) for c in self.extra_criteria):
+                    counts[row], finished[row] = i + 1, True
+                    break
+        return counts, finished
+
+    def _drop_finished(self, batch: TokenBatch, finished: torch.BoolTensor) -> TokenBatch:
+        if not bool(finished.any()):
+            return batch
+        done = finished.nonzero().squeeze(1)
+        rows = self.row_ids[done]
+        self.output[rows] = batch.tokens[done]
+        self.output_generated[rows] = batch.num_generated[done]
+        keep = (~finished).nonzero().squeeze(1)
+        self.row_ids = self.row_ids[keep]
+        if keep.numel():
+            self.target_cache.select_rows(keep)
+            self.proposer.select_rows(keep)
+        return batch.select_rows(keep)
+
+    def _observe(
+        self,
+        requested: torch.LongTensor,
+        proposal: Proposal,
+        accepted: torch.LongTensor,
+        draft_seconds: float,
+        verify_seconds: float,
+        batch: TokenBatch,
+    ) -> None:
+        target_tokens = batch.batch_size * (proposal.max_length + 1)
+        feedback = StepFeedback(
+            self.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens
+        )
+        self.policy.observe(feedback)
+        stats = self.stats
+        stats.num_steps += 1
+        stats.draft_tokens += int(proposal.lengths.sum())
+        stats.accepted_tokens += int(accepted.sum())
+        stats.draft_seconds += draft_seconds
+        stats.verify_seconds += verify_seconds
+        stats.compactions = self.target_cache.compactions
+        if self.config.collect_step_stats:
+            stats.steps.append(
+                StepRecord(
+                    batch_size=batch.batch_size,
+                    row_ids=self.row_ids.tolist(),
+                    requested_lengths=requested.tolist(),
+                    draft_lengths=proposal.lengths.tolist(),
+                    accepted=accepted.tolist(),
+                    emitted=[],
+                    draft_seconds=draft_seconds,
+                    verify_seconds=verify_seconds,
+                    target_tokens=target_tokens,
+                )
+            )
+
+
+def _resolve_config(value: DynSpecConfig | dict | str | None, generation_config: GenerationConfig) -> DynSpecConfig:
+    """An explicit config wins; otherwise the model's generation config's `dynspec` entry; otherwise defaults."""
+    if value is None:
+        from_model = DynSpecConfig.from_generation_config(generation_config)
+        if from_model is not None:
+            return from_model
+        lookup = generation_config.prompt_lookup_num_tokens
+        return DynSpecConfig(num_speculative_tokens=int(lookup)) if lookup else DynSpecConfig()
+    return DynSpecConfig.coerce(value)
+
+
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+
+
+def _recover_generate_arguments(assistant_model, streamer):
+    """Find `assistant_model` and `streamer` in the calling `generate` when they did not reach the loop.
+
+    When `custom_generate` is a callable, transformers' `generate` validates and prepares `assistant_model` and
+    `streamer` but does not forward them to the callable. They are read from the `generate` call that invoked this
+    loop; `hf_dynspec.generate` and the Hub folder pass them explicitly instead.
+    """
+    if assistant_model is not None and streamer is not None:
+        return assistant_model, streamer
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        if frame.f_code is _GENERATE_CODE:
+            assistant_model = assistant_model if assistant_model is not None else frame.f_locals.get("assistant_model")
+            streamer = streamer if streamer is not None else frame.f_locals.get("streamer")
+            break
+        frame = frame.f_back
+    return assistant_model, streamer

@@ -1,0 +1,51 @@
+"""Where draft and target live. Every move of ids, masks and logits between them goes through here.
+
+The loop works on the *loop device*: the device of the `input_ids` that `generate` prepared for the target. Draft
+and target may sit on different devices (or accelerate device maps) and use different dtypes; inputs go to each
+model's input-embedding device, and logits come back to the loop device as float32.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+
+def input_device(model: PreTrainedModel) -> torch.device:
+    """The device a model's input ids must be on (its input embeddings' device, which works for device maps)."""
+    return model.get_input_embeddings().weight.device
+
+
+@dataclass
+class Placement:
+    """Devices of the loop, the target's inputs and the draft's inputs."""
+
+    loop_device: torch.device
+    target_device: torch.device
+    draft_device: torch.device | None
+
+    @classmethod
+    def of(cls, loop_device: torch.device, target: PreTrainedModel, draft: PreTrainedModel | None) -> Placement:
+        return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None)
+
+    def to_target(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Ids, masks or positions for a target forward."""
+        return tensor.to(self.target_device, non_blocking=True)
+
+    def to_draft(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Ids, masks or positions for a draft forward."""
+        return tensor.to(self.draft_device, non_blocking=True)
+
+    def logits_to_loop(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits from either model, as float32 on the loop device (a fresh tensor, safe to modify in place)."""
+        return logits.to(self.loop_device, dtype=torch.float32, copy=True)
+
+    def clock(self) -> float:
+        """Wall time after waiting for pending accelerator work, so step timings are honest."""
+        for device in {self.target_device, self.draft_device} - {None}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return time.perf_counter()

@@ -1,0 +1,111 @@
+"""Checks that turn unsupported inputs into clear errors before any decoding starts."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+
+def validate_inputs(
+    model: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    input_ids: torch.LongTensor,
+    generation_config: GenerationConfig,
+    model_kwargs: dict,
+    synced_gpus: bool,
+) -> None:
+    """Raise `ValueError` naming the problem and the fix for anything the loop cannot decode exactly."""
+    _check_mode(generation_config, synced_gpus)
+    _check_proposer(draft, generation_config)
+    _check_model(model, "target model")
+    if draft is not None:
+        _check_model(draft, "draft model")
+        check_vocabularies(model, draft)
+    _check_inputs(input_ids, model_kwargs, generation_config)
+
+
+def check_vocabularies(model: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Draft and target must score the same vocabulary."""
+    target_vocab = model.config.get_text_config().vocab_size
+    draft_vocab = draft.config.get_text_config().vocab_size
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"The draft model's vocabulary ({draft_vocab} entries) differs from the target's ({target_vocab}). "
+            "hf_dynspec needs a draft that shares the target's tokenizer; drafts with a different tokenizer are out "
+            "of scope for now (transformers' universal assisted decoding handles them at batch size 1)."
+        )
+
+
+def _check_mode(generation_config: GenerationConfig, synced_gpus: bool) -> None:
+    if generation_config.num_beams != 1:
+        raise ValueError(
+            f"Beam search (num_beams={generation_config.num_beams}) cannot be combined with speculative decoding; "
+            "set num_beams=1 or drop the assistant model."
+        )
+    if generation_config.num_return_sequences != 1:
+        raise ValueError(
+            f"num_return_sequences={generation_config.num_return_sequences} is not supported by the speculative loop; "
+            "repeat the prompt in the batch instead (each row samples independently)."
+        )
+    if synced_gpus:
+        raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by the speculative loop.")
+    unsupported = [
+        flag
+        for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        if getattr(generation_config, flag, False)
+    ]
+    if unsupported:
+        raise ValueError(
+            f"{unsupported} are not supported by the speculative loop (rows advance by different numbers of tokens "
+            "per step); use return_dict_in_generate=True for `dynspec_stats`, or plain generate for per-step scores."
+        )
+    if generation_config.use_cache is False:
+        raise ValueError("use_cache=False: speculative decoding needs the KV cache; remove use_cache=False.")
+
+
+def _check_proposer(draft: PreTrainedModel | None, generation_config: GenerationConfig) -> None:
+    lookup = generation_config.prompt_lookup_num_tokens
+    if draft is None and lookup is None:
+        raise ValueError(
+            "The speculative loop needs a proposer: pass `assistant_model=<draft model>` or "
+            "`prompt_lookup_num_tokens=<n>` to generate."
+        )
+    if draft is not None and lookup is not None:
+        raise ValueError(
+            "Both `assistant_model` and `prompt_lookup_num_tokens` were given; choose one proposer (drop "
+            "`prompt_lookup_num_tokens` to draft with the assistant model)."
+        )
+
+
+def _check_model(model: PreTrainedModel, who: str) -> None:
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"The {who} is an encoder-decoder model; hf_dynspec supports decoder-only models.")
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"The {who} ({type(model).__name__}) is stateful (recurrent state), so its cache cannot drop rejected "
+            "tokens; speculative decoding needs a model whose KV cache can be cropped."
+        )
+    if not model._supports_default_dynamic_cache():
+        raise ValueError(
+            f"The {who} ({type(model).__name__}) does not support transformers' dynamic KV cache, which the "
+            "speculative loop crops and compacts; use a model with standard KV caching."
+        )
+
+
+def _check_inputs(input_ids: torch.LongTensor, model_kwargs: dict, generation_config: GenerationConfig) -> None:
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            "The speculative loop needs `input_ids` of shape (batch, prompt_length) with at least one token "
+            "(prompts given only as `inputs_embeds` are not supported)."
+        )
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and bool((mask[:, -1] == 0).any()):
+        raise ValueError(
+            "Right padding detected (attention_mask ends with 0 in some rows). Decoder-only generation needs left "
+            "padding: load the tokenizer with padding_side='left'."
+        )
+    if generation_config.max_length <= input_ids.shape[1]:
+        raise ValueError(
+            f"max_length ({generation_config.max_length}) leaves no room after the {input_ids.shape[1]}-token "
+            "prompt; set max_new_tokens >= 1."
+        )
