@@ -1,0 +1,1 @@
+"""Benchmarks against transformers' own assisted generation: models, prompts, the harness and plots."""

