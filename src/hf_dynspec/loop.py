@@ -104,7 +104,6 @@ class _Run:
         self.output = input_ids.new_full((num_rows, width + max_new), self.pad_id)
         self.output[:, :width] = input_ids
         self.output_generated = torch.zeros(num_rows, dtype=torch.long, device=input_ids.device)
-        self.row_ids = torch.arange(num_rows, device=input_ids.device)
         self.stats = DynSpecStats(batch_size=num_rows, prompt_length=width)
         self.input_ids = input_ids
 
@@ -179,7 +178,7 @@ class _Run:
         requested = self._requested_lengths(batch, step)
 
         start = self.placement.clock()
-        early_stop = self._early_stop_for(self.row_ids)
+        early_stop = self._early_stop_for(batch.row_ids)
         proposal = self.proposer.propose(batch, requested, early_stop) if int(requested.max()) > 0 else None
         proposal = proposal or Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None)
         drafted = self.placement.clock()
@@ -205,7 +204,7 @@ class _Run:
 
     def _requested_lengths(self, batch: TokenBatch, step: int) -> torch.LongTensor:
         """The policy's draft lengths, capped so no row drafts past its remaining length budget."""
-        request = PolicyInput(step, self.row_ids, batch.remaining, self.max_draft)
+        request = PolicyInput(step, batch.row_ids, batch.remaining, self.max_draft)
         lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):
             raise ValueError(
@@ -296,11 +295,10 @@ class _Run:
         if not bool(finished.any()):
             return batch
         done = finished.nonzero().squeeze(1)
-        rows = self.row_ids[done]
+        rows = batch.row_ids[done]
         self.output[rows] = batch.tokens[done]
         self.output_generated[rows] = batch.num_generated[done]
         keep = (~finished).nonzero().squeeze(1)
-        self.row_ids = self.row_ids[keep]
         if keep.numel():
             self.target_cache.select_rows(keep)
             self.proposer.select_rows(keep)
@@ -317,7 +315,7 @@ class _Run:
     ) -> None:
         target_tokens = batch.batch_size * (proposal.max_length + 1)
         feedback = StepFeedback(
-            self.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens
+            batch.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens
         )
         self.policy.observe(feedback)
         stats = self.stats
@@ -331,7 +329,7 @@ class _Run:
             stats.steps.append(
                 StepRecord(
                     batch_size=batch.batch_size,
-                    row_ids=self.row_ids.tolist(),
+                    row_ids=batch.row_ids.tolist(),
                     requested_lengths=requested.tolist(),
                     draft_lengths=proposal.lengths.tolist(),
                     accepted=accepted.tolist(),

@@ -22,6 +22,13 @@ class TokenBatch:
     num_prompt: torch.LongTensor  # [batch] real (non-padding) prompt tokens per row
     num_generated: torch.LongTensor  # [batch] generated tokens per row
     pad_id: int
+    row_ids: torch.LongTensor | None = None  # [batch] index of each row in the batch `generate` received
+    original_batch_size: int = 0  # rows of the batch `generate` received (defaults to the current batch size)
+
+    def __post_init__(self) -> None:
+        if self.row_ids is None:
+            self.row_ids = torch.arange(self.tokens.shape[0], device=self.tokens.device)
+        self.original_batch_size = self.original_batch_size or self.tokens.shape[0]
 
     @property
     def batch_size(self) -> int:
@@ -101,4 +108,6 @@ class TokenBatch:
             num_prompt=self.num_prompt[keep],
             num_generated=self.num_generated[keep],
             pad_id=self.pad_id,
+            row_ids=self.row_ids[keep],
+            original_batch_size=self.original_batch_size,
         )

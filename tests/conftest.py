@@ -1,0 +1,75 @@
+"""Tiny models built from configs (no downloads) and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+PAD, EOS, BOS = 0, 1, 2
+VOCAB = 96
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny_model(
+    family: str = "llama", seed: int = 0, vocab: int = VOCAB, dtype: torch.dtype = torch.float64, **overrides
+):
+    """A randomly initialised 2-layer model; float64 by default so argmax ties from rounding cannot occur."""
+    config_class, model_class = FAMILIES[family]
+    settings = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+        initializer_range=0.3,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings)).to(dtype).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def perturbed(model, scale: float, seed: int = 123):
+    """A copy of `model` with Gaussian noise on every weight: a draft that agrees with it part of the time."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * scale * parameter.std().clamp(min=1e-3))
+    return draft
+
+
+def left_padded_prompts(lengths: list[int], vocab: int = VOCAB, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded: `input_ids` and `attention_mask` `[batch, max(lengths)]`."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2():
+    return tiny_model("qwen2", seed=0)
