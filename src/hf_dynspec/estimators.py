@@ -1,0 +1,440 @@
+"""What the `goodput` policy knows about the world: per-row acceptance estimates and step cost models.
+
+Acceptance (`AcceptanceEstimator`): every draft token of row `i` is assumed accepted with probability `a_i`,
+independently of the others, so a row that proposed `k` tokens and had `m` accepted contributes `m` successes and, when
+`m < k`, one failure (the first rejected token; the ones after it are never judged). With a Beta prior the posterior
+mean is `(S_i + w * p) / (S_i + F_i + w)`, where `p` is a pooled estimate over every row seen so far (itself started
+from `prior_acceptance`) and `w` is `prior_weight` pseudo-tokens. Counts decay by `decay` at every observation, so an
+estimate follows a row whose text changes character.
+
+Costs (`StepCostModel`): the time of one step as a function of the batch size and the per-row draft lengths. The built
+in models price what the loop really does: the draft runs `K = max_i k_i` forwards over the whole batch and the target
+verifies `N = batch * (1 + K)` tokens (`K = 0` is a plain decoding step and the draft does not run):
+
+    step_seconds(b, k) = verify(b * (1 + K)) + K * draft(b)
+
+`verify` is piecewise linear in `N`, the number of tokens the target processes, and `draft` (one draft forward) is
+piecewise linear in the batch size. `ProfileCostModel` builds both from a saved calibration [`Profile`];
+`OnlineCostModel` learns them from the loop's own timings (median of a window per knot, made nondecreasing by
+isotonic regression) and asks the policy to measure the points it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .policies.base import StepFeedback
+
+PROFILE_FORMAT = "hf_dynspec.profile"
+PROFILE_VERSION = 1
+
+
+# ---- acceptance ----------------------------------------------------------------------------------------------------
+class AcceptanceEstimator:
+    """Per-row Beta estimate of the probability that a row's next draft token is accepted.
+
+    Per-row counts live in tensors indexed by the row's original batch index (`PolicyInput.row_ids`); `reset` clears
+    them at the start of a `generate` call while the pooled estimate (the prior of new rows) carries over.
+    """
+
+    def __init__(self, prior_acceptance: float = 0.6, prior_weight: float = 4.0, decay: float = 0.95) -> None:
+        check_open_unit("prior_acceptance", prior_acceptance)
+        check_positive("prior_weight", prior_weight)
+        if not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"`decay` must be a number in (0, 1], got {decay!r}.")
+        self.prior_acceptance = float(prior_acceptance)
+        self.prior_weight = float(prior_weight)
+        self.decay = float(decay)
+        self.pooled_successes = 0.0
+        self.pooled_failures = 0.0
+        self.successes = torch.zeros(0, dtype=torch.float64)  # [num_rows]
+        self.failures = torch.zeros(0, dtype=torch.float64)  # [num_rows]
+
+    def reset(self, num_rows: int) -> None:
+        """Forget every row (the pooled estimate is kept)."""
+        self.successes = torch.zeros(num_rows, dtype=torch.float64)
+        self.failures = torch.zeros(num_rows, dtype=torch.float64)
+
+    @property
+    def pooled_mean(self) -> float:
+        """Acceptance over every row observed so far, shrunk towards `prior_acceptance`: the prior of a new row."""
+        w = self.prior_weight
+        seen = self.pooled_successes + self.pooled_failures
+        return (self.pooled_successes + w * self.prior_acceptance) / (seen + w)
+
+    def mean(self, row_ids: torch.LongTensor) -> torch.Tensor:
+        """`[batch]` float64 posterior mean acceptance of each row in `row_ids` (`[batch]`)."""
+        rows = self._rows(row_ids)
+        s, f = self.successes[rows], self.failures[rows]
+        return (s + self.prior_weight * self.pooled_mean) / (s + f + self.prior_weight)
+
+    def upper(self, row_ids: torch.LongTensor, z: float) -> torch.Tensor:
+        """`[batch]` optimistic estimate: posterior mean plus `z` posterior standard deviations, at most 1."""
+        rows = self._rows(row_ids)
+        mean = self.mean(row_ids)
+        n = self.successes[rows] + self.failures[rows] + self.prior_weight
+        return (mean + z * torch.sqrt(mean * (1 - mean) / (n + 1))).clamp(max=1.0)
+
+    def update(self, row_ids: torch.LongTensor, proposed: torch.LongTensor, accepted: torch.LongTensor) -> None:
+        """Learn from one step: row `row_ids[j]` proposed `proposed[j]` draft tokens and `accepted[j]` were accepted.
+
+        Args:
+            row_ids: `[batch]` original row indices.
+            proposed: `[batch]` draft lengths actually proposed (rows with 0 teach nothing).
+            accepted: `[batch]` accepted draft tokens, `0 <= accepted <= proposed`.
+        """
+        rows = self._rows(row_ids)
+        proposed, accepted = proposed.cpu(), accepted.cpu()
+        if bool((accepted > proposed).any()) or bool((accepted < 0).any()):
+            raise ValueError(
+                f"Accepted counts {accepted.tolist()} must lie between 0 and the proposed lengths {proposed.tolist()}."
+            )
+        seen = proposed > 0
+        if not bool(seen.any()):
+            return
+        rows = rows[seen]
+        wins = accepted[seen].double()
+        losses = (accepted[seen] < proposed[seen]).double()
+        self.successes[rows] = self.decay * self.successes[rows] + wins
+        self.failures[rows] = self.decay * self.failures[rows] + losses
+        self.pooled_successes = self.decay * self.pooled_successes + float(wins.sum())
+        self.pooled_failures = self.decay * self.pooled_failures + float(losses.sum())
+
+    def _rows(self, row_ids: torch.LongTensor) -> torch.LongTensor:
+        rows = row_ids.cpu().long()
+        needed = int(rows.max()) + 1 if rows.numel() else 0
+        if needed > self.successes.shape[0]:  # used without `reset` (or with more rows than announced)
+            grow = needed - self.successes.shape[0]
+            self.successes = torch.cat([self.successes, torch.zeros(grow, dtype=torch.float64)])
+            self.failures = torch.cat([self.failures, torch.zeros(grow, dtype=torch.float64)])
+        return rows
+
+
+def expected_tokens(acceptance: torch.Tensor, lengths: torch.LongTensor) -> torch.Tensor:
+    """`[batch]` expected emitted tokens of a step: `sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a)` (exact at `a = 1`).
+
+    Args:
+        acceptance: `[batch]` per-token acceptance probabilities in `[0, 1]`.
+        lengths: `[batch]` draft lengths.
+    """
+    depth = torch.arange(int(lengths.max()) + 1 if lengths.numel() else 1, dtype=torch.float64)  # [K + 1]
+    powers = acceptance.double().unsqueeze(1) ** depth  # [batch, K + 1]
+    return (powers * (depth.unsqueeze(0) <= lengths.unsqueeze(1))).sum(dim=1)
+
+
+# ---- piecewise linear functions ------------------------------------------------------------------------------------
+def isotonic_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least-squares nondecreasing fit of `values` (pool-adjacent-violators); shapes `[n]` -> `[n]`."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values.tolist(), weights.tolist()):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return np.array([value for value, _, count in blocks for _ in range(count)], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class PiecewiseLinear:
+    """A nondecreasing function through knots `(xs[j], ys[j])`, linear between them.
+
+    Below the first knot the value scales in proportion to `x` (`ys[0] * x / xs[0]`); above the last knot it continues
+    along the last segment's slope, or stays flat when there is a single knot.
+    """
+
+    xs: np.ndarray  # [n] increasing, positive
+    ys: np.ndarray  # [n] nondecreasing
+
+    @classmethod
+    def fit(cls, points: dict[int, tuple[float, int]]) -> PiecewiseLinear | None:
+        """From `{x: (value, weight)}`: knots at the `x`s, values made nondecreasing by isotonic regression."""
+        if not points:
+            return None
+        xs = np.array(sorted(points), dtype=np.float64)
+        values = np.array([points[int(x)][0] for x in xs], dtype=np.float64)
+        weights = np.array([points[int(x)][1] for x in xs], dtype=np.float64)
+        return cls(xs, isotonic_increasing(values, weights))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        out = np.interp(x, self.xs, self.ys)
+        below = x < self.xs[0]
+        out[below] = self.ys[0] * x[below] / self.xs[0]
+        if self.xs.shape[0] > 1:
+            slope = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2])
+            above = x > self.xs[-1]
+            out[above] = self.ys[-1] + slope * (x[above] - self.xs[-1])
+        return out
+
+
+# ---- cost models ---------------------------------------------------------------------------------------------------
+class StepCostModel(ABC):
+    """Predicts the wall time of one step from the batch size and each row's draft length.
+
+    A cost model used by `goodput` must be nondecreasing in every row's draft length.
+    """
+
+    @abstractmethod
+    def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
+        """Seconds of a step where active row `j` drafts `lengths[j]` tokens (`[batch]`, all 0 = plain decoding)."""
+
+    def candidate_seconds(self, batch_size: int, lengths: torch.LongTensor) -> torch.Tensor:
+        """`[num_candidates]` float64 seconds of each candidate length vector in `lengths` (`[num_candidates, batch]`).
+
+        Override for speed; the default calls `step_seconds` once per candidate.
+        """
+        return torch.tensor([self.step_seconds(batch_size, row) for row in lengths], dtype=torch.float64)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Learn from a finished step's timings (no-op for fixed models)."""
+
+    def exploration_length(self, batch_size: int, max_draft_tokens: int) -> int | None:
+        """A draft length the model wants measured at this batch size next step, or `None` (fixed models: never)."""
+        return None
+
+
+class PaddedCostModel(StepCostModel):
+    """`verify(b * (1 + K)) + K * draft(b)` with `K = max(lengths)`: the loop pads every row to the longest draft.
+
+    `verify` maps target tokens per forward to seconds, `draft` maps the batch size to seconds per draft forward;
+    a missing `verify` costs one (arbitrary) second per step and a missing `draft` costs nothing.
+    """
+
+    def __init__(self, verify: PiecewiseLinear | None, draft: PiecewiseLinear | None) -> None:
+        self.verify = verify
+        self.draft = draft
+
+    def padded_seconds(self, batch_size: int, max_lengths: np.ndarray) -> np.ndarray:
+        """`[n]` seconds of steps whose longest draft is `max_lengths` (`[n]`) at `batch_size` active rows."""
+        k = np.asarray(max_lengths, dtype=np.float64)
+        verify = self.verify(batch_size * (1.0 + k)) if self.verify is not None else np.ones_like(k)
+        per_forward = float(self.draft(np.array([batch_size]))[0]) if self.draft is not None else 0.0
+        return verify + k * per_forward
+
+    def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
+        longest = int(lengths.max()) if lengths.numel() else 0
+        return float(self.padded_seconds(batch_size, np.array([longest]))[0])
+
+    def candidate_seconds(self, batch_size: int, lengths: torch.LongTensor) -> torch.Tensor:
+        values = lengths.detach().cpu().numpy()
+        longest = values.max(axis=1) if values.shape[1] else np.zeros(values.shape[0])
+        return torch.from_numpy(self.padded_seconds(batch_size, longest))
+
+
+class ProfileCostModel(PaddedCostModel):
+    """The padded cost model fitted to a saved calibration [`Profile`] (fixed: it does not learn)."""
+
+    def __init__(self, profile: Profile) -> None:
+        verify_points: dict[int, list[float]] = {}
+        for timing in profile.target_forward:
+            verify_points.setdefault(timing.batch_size * timing.tokens_per_row, []).append(timing.seconds)
+        draft_points = {t.batch_size: [t.seconds] for t in profile.draft_forward}
+        super().__init__(PiecewiseLinear.fit(_medians(verify_points)), PiecewiseLinear.fit(_medians(draft_points)))
+        self.profile = profile
+
+
+class OnlineCostModel(PaddedCostModel):
+    """The padded cost model learned from the loop's own timings, with or without a starting profile.
+
+    Knots: every distinct number of target tokens `N` seen in a verify forward, and every batch size seen in a step
+    that drafted (its draft seconds divided by the number of draft forwards). Each knot keeps its last `window`
+    samples and is worth their median; the knots are then made nondecreasing by weighted isotonic regression. So a
+    single slow step (another process on the machine, the draft catching up after plain steps) moves nothing, and a
+    lasting change (longer KV caches) replaces the old samples within `window` visits.
+
+    Exploration: before the knots bracket the current batch size (a knot near or below `N = b`, one near or above
+    `N = b * (1 + max)`), `exploration_length` asks for a plain step or a maximal one; afterwards, every
+    `explore_interval` steps, for the draft length whose `N` is farthest (more than a factor `1 + tolerance`) from
+    every knot. The first `warmup_steps` steps this model ever observes are ignored (lazy initialisation).
+    """
+
+    def __init__(
+        self,
+        window: int = 9,
+        tolerance: float = 0.25,
+        explore_interval: int = 16,
+        warmup_steps: int = 1,
+        profile: Profile | None = None,
+    ) -> None:
+        check_int("window", window, 1)
+        check_positive("tolerance", tolerance)
+        check_int("explore_interval", explore_interval, 1)
+        check_int("warmup_steps", warmup_steps, 0)
+        super().__init__(None, None)
+        self.window = window
+        self.tolerance = float(tolerance)
+        self.explore_interval = explore_interval
+        self.warmup_steps = warmup_steps
+        self.verify_samples: dict[int, deque[float]] = {}
+        self.draft_samples: dict[int, deque[float]] = {}
+        self.steps_observed = 0
+        self._since_exploration = 0
+        if profile is not None:
+            for timing in profile.target_forward:
+                self._add(self.verify_samples, timing.batch_size * timing.tokens_per_row, timing.seconds)
+            for timing in profile.draft_forward:
+                self._add(self.draft_samples, timing.batch_size, timing.seconds)
+            self._refit()
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.steps_observed += 1
+        if self.steps_observed <= self.warmup_steps or feedback.batch_size == 0:
+            return
+        self._add(self.verify_samples, int(feedback.target_tokens), float(feedback.verify_seconds))
+        forwards = int(feedback.draft_lengths.max())
+        if forwards > 0 and feedback.draft_seconds > 0:
+            self._add(self.draft_samples, feedback.batch_size, float(feedback.draft_seconds) / forwards)
+        self._refit()
+
+    def exploration_length(self, batch_size: int, max_draft_tokens: int) -> int | None:
+        if max_draft_tokens <= 0:
+            return None
+        knots = np.array(sorted(self.verify_samples), dtype=np.float64)
+        wanted = batch_size * (1.0 + np.arange(max_draft_tokens + 1))  # [max + 1] target tokens of each length
+        slack = 1.0 + self.tolerance
+        if knots.size == 0 or knots[0] > wanted[0] * slack:
+            return 0
+        if knots[-1] < wanted[-1] / slack:
+            return max_draft_tokens
+        self._since_exploration += 1
+        if self._since_exploration < self.explore_interval:
+            return None
+        gaps = np.abs(np.log(wanted[:, None] / knots[None, :])).min(axis=1)  # [max + 1]
+        if gaps.max() <= math.log(slack):
+            return None
+        self._since_exploration = 0
+        return int(gaps.argmax())
+
+    def _add(self, samples: dict[int, deque[float]], key: int, seconds: float) -> None:
+        samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+
+    def _refit(self) -> None:
+        self.verify = PiecewiseLinear.fit(_medians(self.verify_samples))
+        self.draft = PiecewiseLinear.fit(_medians(self.draft_samples))
+
+
+def _medians(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:
+    """`{key: (median, number of samples)}` of `{key: samples}`."""
+    return {key: (float(np.median(list(values))), len(values)) for key, values in samples.items() if len(values)}
+
+
+# ---- calibration profiles ------------------------------------------------------------------------------------------
+@dataclass
+class TargetTiming:
+    """Median seconds of one target forward over `batch_size` rows of `tokens_per_row` new tokens each."""
+
+    batch_size: int
+    tokens_per_row: int
+    seconds: float
+    samples: list[float] = field(default_factory=list)
+
+
+@dataclass
+class DraftTiming:
+    """Median seconds of one draft forward over `batch_size` rows of one new token each."""
+
+    batch_size: int
+    seconds: float
+    samples: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Profile:
+    """Step costs of a target/draft pair measured on one machine, as written by `hf-dynspec calibrate`.
+
+    JSON form: `{"format": "hf_dynspec.profile", "version": 1, "target": ..., "draft": ..., "device": ...,
+    "dtype": ..., "context_length": ..., "warmup": ..., "repeats": ..., "target_forward": [{"batch_size",
+    "tokens_per_row", "seconds", "samples"}, ...], "draft_forward": [{"batch_size", "seconds", "samples"}, ...]}`.
+    """
+
+    target_forward: list[TargetTiming]
+    draft_forward: list[DraftTiming]
+    target: str = ""
+    draft: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    context_length: int = 0
+    warmup: int = 0
+    repeats: int = 0
+    created: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.target_forward:
+            raise ValueError("A profile needs at least one `target_forward` timing.")
+        for i, timing in enumerate(self.target_forward):
+            where = f"target_forward[{i}]"
+            check_int(f"{where}.batch_size", timing.batch_size, 1)
+            check_int(f"{where}.tokens_per_row", timing.tokens_per_row, 1)
+            check_positive(f"{where}.seconds", timing.seconds)
+        for i, timing in enumerate(self.draft_forward):
+            check_int(f"draft_forward[{i}].batch_size", timing.batch_size, 1)
+            check_positive(f"draft_forward[{i}].seconds", timing.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """Build from the JSON form; a wrong format, version or field raises `ValueError` naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"A profile is a JSON object, got {type(data).__name__}.")
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(
+                f"Not a calibration profile: `format` is {data.get('format')!r}, expected {PROFILE_FORMAT!r} "
+                "(write one with `hf-dynspec calibrate --out profile.json`)."
+            )
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"Unsupported profile `version` {data.get('version')!r}; this release reads version 1.")
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"Unknown profile key(s) {unknown}; valid keys are {sorted(known)}.")
+        try:
+            body["target_forward"] = [TargetTiming(**t) for t in body.get("target_forward", [])]
+            body["draft_forward"] = [DraftTiming(**t) for t in body.get("draft_forward", [])]
+        except TypeError as error:
+            raise ValueError(f"Malformed timing entry in profile: {error}.") from error
+        return cls(**body)
+
+    @classmethod
+    def load(cls, source: str | Path | dict[str, Any] | Profile) -> Profile:
+        """A profile from a JSON file path, its dict form, or a `Profile` (returned as is)."""
+        if isinstance(source, Profile):
+            return source
+        if isinstance(source, dict):
+            return cls.from_dict(source)
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"Profile file {str(path)!r} does not exist; create it with `hf-dynspec calibrate`.")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+# ---- validation helpers (shared with the policies' settings) ---------------------------------------------------------
+def check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
+
+
+def check_open_unit(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"`{name}` must be a number strictly between 0 and 1, got {value!r}.")

@@ -1,0 +1,162 @@
+"""`confidence`: a row stops drafting as soon as the draft is unsure of its own token.
+
+After every draft position the loop calls `continue_drafting` with the draft's probability `q` of the token it just
+proposed; a row whose `q` is below the threshold keeps that token and stops. This is the rule of transformers'
+`assistant_confidence_threshold` (`ConfidenceCriteria`), and the threshold adapts the way transformers adapts it: from
+the recent draft tokens (their `q`, and whether the verifier accepted them: accepted tokens are positives, the first
+rejected token of a row is a negative, later ones are never judged) it picks the threshold `t` minimising
+
+    false_positive_rate(t) + false_negative_cost * false_negative_rate(t)
+
+(a false positive continues past a token that gets rejected, a false negative stops before one that gets accepted;
+transformers weighs them 1 : 3). `ConfidenceStopper` holds this logic so `goodput` can use it as its early stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .base import DraftLengthPolicy, PolicyInput, StepFeedback
+
+
+@dataclass
+class ConfidenceSettings:
+    """Settings of the confidence early stop (`policy_options` of `confidence`, or `goodput`'s `early_stop`)."""
+
+    threshold: float = field(
+        default=0.4, metadata={"help": "Starting threshold on the draft's probability of its own token (0..1)."}
+    )
+    adaptive: bool = field(default=True, metadata={"help": "Re-fit the threshold after every step from recent tokens."})
+    window: int = field(default=512, metadata={"help": "Number of recent judged draft tokens the threshold is fit on."})
+    min_samples: int = field(
+        default=6, metadata={"help": "Judged tokens (with both outcomes present) needed before the threshold adapts."}
+    )
+    false_negative_cost: float = field(
+        default=3.0, metadata={"help": "Weight of stopping before an accepted token, relative to continuing past a rejected one."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not 0 <= self.threshold <= 1:
+            raise ValueError(f"`threshold` must be a number in [0, 1], got {self.threshold!r}.")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"`adaptive` must be a bool, got {self.adaptive!r}.")
+        for name, minimum in (("window", 2), ("min_samples", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+        cost = self.false_negative_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost > 0 or not math.isfinite(cost):
+            raise ValueError(f"`false_negative_cost` must be a finite number > 0, got {cost!r}.")
+
+
+class ConfidenceStopper:
+    """The early-stop rule and its adaptive threshold, shared by the `confidence` and `goodput` policies."""
+
+    def __init__(self, settings: ConfidenceSettings | None = None) -> None:
+        self.settings = settings or ConfidenceSettings()
+        self.threshold = float(self.settings.threshold)
+        self.probs: deque[float] = deque(maxlen=self.settings.window)
+        self.labels: deque[int] = deque(maxlen=self.settings.window)
+        self._pending = torch.full((0, 0), math.nan, dtype=torch.float64)  # [num_rows, positions] q of this step
+
+    def reset(self, num_rows: int) -> None:
+        """Start a `generate` call (the judged-token history and the threshold carry over)."""
+        self._pending = torch.full((num_rows, 0), math.nan, dtype=torch.float64)
+
+    def continue_drafting(self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor) -> torch.BoolTensor:
+        """`[batch]` True where the row's draft probability `draft_probs` (`[batch]`) reaches the threshold."""
+        rows = row_ids.cpu().long()
+        probs = draft_probs.detach().to("cpu", torch.float64)
+        self._grow(int(rows.max()) + 1 if rows.numel() else 0, position + 1)
+        self._pending[rows, position] = probs
+        return probs >= self.threshold
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Record which recorded draft tokens were accepted, then re-fit the threshold."""
+        rows = feedback.row_ids.cpu().long()
+        lengths, accepted = feedback.draft_lengths.cpu(), feedback.accepted.cpu()
+        width = min(int(lengths.max()) if lengths.numel() else 0, self._pending.shape[1])
+        if width == 0 or rows.numel() == 0:
+            return
+        self._grow(int(rows.max()) + 1, width)
+        probs = self._pending[rows, :width]  # [batch, width]
+        position = torch.arange(width).unsqueeze(0)  # [1, width]
+        positive = position < accepted.unsqueeze(1)
+        negative = (position == accepted.unsqueeze(1)) & (accepted < lengths).unsqueeze(1)
+        judged = (positive | negative) & ~probs.isnan()
+        self.probs.extend(probs[judged].tolist())
+        self.labels.extend(positive[judged].long().tolist())
+        self._pending[rows] = math.nan
+        if self.settings.adaptive:
+            self._refit()
+
+    def _refit(self) -> None:
+        labels = np.fromiter(self.labels, dtype=np.int64)
+        if labels.size < self.settings.min_samples or labels.min() == labels.max():
+            return
+        probs = np.fromiter(self.probs, dtype=np.float64)
+        self.threshold = best_threshold(probs, labels, self.settings.false_negative_cost)
+
+    def _grow(self, num_rows: int, positions: int) -> None:
+        rows, cols = self._pending.shape
+        if num_rows > rows or positions > cols:
+            grown = torch.full((max(rows, num_rows), max(cols, positions)), math.nan, dtype=torch.float64)
+            grown[:rows, :cols] = self._pending
+            self._pending = grown
+
+
+def best_threshold(probs: np.ndarray, labels: np.ndarray, false_negative_cost: float) -> float:
+    """The threshold among the observed `probs` (`[n]`) minimising `fpr + false_negative_cost * fnr`.
+
+    `labels` (`[n]`, 1 = accepted) must contain both outcomes. A token "continues" when its probability is at least the
+    threshold; on ties the highest threshold wins.
+    """
+    order = np.argsort(-probs, kind="stable")
+    probs, labels = probs[order], labels[order]
+    true_pos = np.cumsum(labels)  # [n] positives at or above probs[i]
+    false_pos = np.cumsum(1 - labels)
+    last_of_value = np.append(probs[1:] != probs[:-1], True)  # thresholds at distinct values only
+    fpr = false_pos[last_of_value] / false_pos[-1]
+    fnr = 1.0 - true_pos[last_of_value] / true_pos[-1]
+    cost = fpr + false_negative_cost * fnr
+    return float(probs[last_of_value][int(np.argmin(cost))])
+
+
+class ConfidencePolicy(DraftLengthPolicy):
+    """Every row asks for the maximum draft length and stops early when the draft's confidence drops."""
+
+    name = "confidence"
+
+    def __init__(self, settings: ConfidenceSettings | None = None, num_speculative_tokens: int | None = None) -> None:
+        if num_speculative_tokens is not None and (
+            isinstance(num_speculative_tokens, bool)
+            or not isinstance(num_speculative_tokens, int)
+            or num_speculative_tokens < 0
+        ):
+            raise ValueError(f"`num_speculative_tokens` must be an integer >= 0 or None, got {num_speculative_tokens!r}.")
+        self.stopper = ConfidenceStopper(settings)
+        self.num_speculative_tokens = num_speculative_tokens
+
+    @property
+    def threshold(self) -> float:
+        return self.stopper.threshold
+
+    def reset(self, num_rows: int) -> None:
+        self.stopper.reset(num_rows)
+
+    def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
+        k = request.max_draft_tokens if self.num_speculative_tokens is None else self.num_speculative_tokens
+        return torch.full((request.batch_size,), min(k, request.max_draft_tokens), dtype=torch.long)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.stopper.observe(feedback)
+
+    def continue_drafting(
+        self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
+    ) -> torch.BoolTensor | None:
+        return self.stopper.continue_drafting(row_ids, position, draft_probs)

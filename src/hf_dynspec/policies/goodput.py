@@ -1,0 +1,281 @@
+"""`goodput`: choose the draft lengths that maximise the batch's expected tokens per second (after SmartSpec).
+
+With row `i`'s acceptance estimate `a_i` and draft length `k_i`, the row emits `E_i(k_i) = sum_{j=0..k_i} a_i^j`
+tokens in expectation, and the step takes `C(k)` seconds (a cost model over the whole length vector). The policy picks
+
+    k* = argmax_k  sum_i E_i(k_i) / C(k),   0 <= k_i <= min(max_draft_tokens, remaining_i - 1)
+
+so `k = 0` everywhere (plain decoding) whenever nothing beats it. See `best_draft_lengths` for the search.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..estimators import (
+    AcceptanceEstimator,
+    OnlineCostModel,
+    Profile,
+    ProfileCostModel,
+    StepCostModel,
+    check_int,
+    check_open_unit,
+    check_positive,
+)
+from .base import DraftLengthPolicy, PolicyInput, StepFeedback
+from .confidence import ConfidenceSettings, ConfidenceStopper
+
+COST_MODELS = ("online", "profile")
+
+
+def candidate_lengths(
+    acceptance: torch.Tensor, caps: torch.LongTensor, max_draft_tokens: int
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Every length vector the exact search has to price, with its expected emitted tokens.
+
+    For each bound `K` on the longest draft, rows gain draft tokens greedily by marginal value: the `j`-th draft
+    token of row `i` adds `a_i^j` expected tokens, which shrinks with `j`, so the best vector with `T` draft tokens in
+    total and none longer than `K` is the `T`-item prefix of the items `(i, j <= min(K, cap_i))` sorted by `a_i^j`.
+    One stable sort over all items (depth-major, so equal values keep each row's items in depth order) serves every
+    `K`: a row's items appear in depth order, so after any prefix of the full order a row holds `min(count, K)` items
+    of depth at most `K`. Runs in numpy (no thread pool) in about 0.2 ms at batch 32 and maximum 8.
+
+    Args:
+        acceptance: `[batch]` acceptance estimates in `[0, 1]`.
+        caps: `[batch]` longest useful draft per row (0 .. `max_draft_tokens`).
+        max_draft_tokens: the loop's maximum draft length.
+
+    Returns:
+        `lengths` `[num_candidates, batch]` (row 0 is all zeros: plain decoding) and `tokens` `[num_candidates]`.
+    """
+    a = acceptance.detach().cpu().double().clamp(0.0, 1.0).numpy()
+    caps_np = caps.detach().cpu().numpy()
+    batch = a.shape[0]
+    longest = min(max_draft_tokens, int(caps_np.max()) if batch else 0)
+    zero = np.zeros((1, batch), dtype=np.int64)
+    plain = np.full(1, float(batch))
+    if longest <= 0:
+        return torch.from_numpy(zero), torch.from_numpy(plain)
+    depth = np.arange(1, longest + 1)  # [K]
+    gains = a[None, :] ** depth[:, None]  # [K, batch], depth-major
+    usable = (depth[:, None] <= caps_np[None, :]).reshape(-1)  # [K * batch]
+    order = np.argsort(-gains.reshape(-1)[usable], kind="stable")
+    item_gain = gains.reshape(-1)[usable][order]  # [items]
+    item_row = np.tile(np.arange(batch), longest)[usable][order]
+    item_depth = np.repeat(depth, batch)[usable][order]
+    one_hot = np.zeros((item_gain.shape[0], batch), dtype=np.int64)
+    one_hot[np.arange(item_gain.shape[0]), item_row] = 1
+    held = np.cumsum(one_hot, axis=0)  # [items, batch] items of each row in every prefix of the full order
+    within = item_depth[None, :] <= depth[:, None]  # [K, items] items allowed under bound K
+    tokens = batch + np.cumsum(within * item_gain[None, :], axis=1)  # [K, items]
+    bound, end = np.nonzero(within)  # one candidate per (K, prefix ending on an allowed item)
+    lengths = np.minimum(held[end], depth[bound][:, None])  # [candidates, batch]
+    return torch.from_numpy(np.concatenate([zero, lengths])), torch.from_numpy(np.concatenate([plain, tokens[bound, end]]))
+
+
+def best_draft_lengths(
+    acceptance: torch.Tensor,
+    caps: torch.LongTensor,
+    max_draft_tokens: int,
+    cost_model: StepCostModel,
+    min_gain: float = 0.0,
+) -> torch.LongTensor:
+    """`[batch]` draft lengths maximising expected tokens per second (`sum_i E_i(k_i) / C(k)`).
+
+    Exact for every cost that depends on the length vector through its maximum and its sum and is nondecreasing in
+    the maximum, which covers the padded built-in models (`C` depends on `max k` only) and ragged ones (`C` depends on
+    `sum k`): for any vector `k`, the greedy candidate with the same sum and bound `K = max k` emits at least as many
+    expected tokens and has no larger maximum. For other costs it returns the best of the same candidates. Ties go
+    to the shorter candidate (plain decoding first). At batch 32 and maximum 8 it prices at most 1 153 vectors.
+
+    Args:
+        acceptance: `[batch]` acceptance estimates.
+        caps: `[batch]` longest useful draft per row.
+        max_draft_tokens: the loop's maximum draft length.
+        cost_model: prices candidate vectors (`candidate_seconds`).
+        min_gain: speculate only when it beats plain decoding by this fraction of its rate.
+    """
+    lengths, tokens = candidate_lengths(acceptance, caps, max_draft_tokens)
+    if lengths.shape[0] == 1:
+        return lengths[0]
+    seconds = np.asarray(cost_model.candidate_seconds(acceptance.shape[0], lengths), dtype=np.float64)
+    if seconds.shape != tuple(tokens.shape) or not np.isfinite(seconds).all() or (seconds <= 0).any():
+        raise ValueError(
+            f"{type(cost_model).__name__}.candidate_seconds must return {tokens.shape[0]} finite positive seconds, "
+            f"got shape {seconds.shape} with minimum {seconds.min() if seconds.size else 'n/a'}."
+        )
+    rates = tokens.numpy() / seconds
+    best = int(np.argmax(rates))
+    if best and rates[best] < rates[0] * (1.0 + min_gain):
+        best = 0
+    return lengths[best].clone()
+
+
+@dataclass
+class GoodputSettings:
+    """`policy_options` of the `goodput` policy."""
+
+    cost_model: str = field(
+        default="online",
+        metadata={"help": "'online' (learn step costs from the loop's timings) or 'profile' (a saved calibration)."},
+    )
+    profile: str | dict | None = field(
+        default=None,
+        metadata={"help": "Calibration profile (path or dict): required by 'profile', the starting point of 'online'."},
+    )
+    prior_acceptance: float = field(default=0.6, metadata={"help": "Acceptance assumed before anything is observed."})
+    prior_weight: float = field(default=4.0, metadata={"help": "Weight of the prior, in draft tokens."})
+    acceptance_decay: float = field(default=0.95, metadata={"help": "Per-step decay of a row's acceptance counts."})
+    window: int = field(default=9, metadata={"help": "Online costs: recent samples kept per knot (median)."})
+    tolerance: float = field(
+        default=0.25, metadata={"help": "Online costs: a point counts as measured within a factor 1 + tolerance."}
+    )
+    explore_interval: int = field(default=16, metadata={"help": "Online costs: steps between gap measurements."})
+    warmup_steps: int = field(default=1, metadata={"help": "Online costs: first observed steps to ignore."})
+    probe_interval: int = field(
+        default=32,
+        metadata={"help": "After this many all-plain steps, try once with optimistic acceptance (0 disables)."},
+    )
+    probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
+    min_gain: float = field(default=0.0, metadata={"help": "Relative margin speculation must win by over plain steps."})
+    early_stop: dict | bool | None = field(
+        default=None,
+        metadata={"help": "Confidence early stop: true for defaults or a dict of `confidence` options; off if None."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"`cost_model` must be one of {list(COST_MODELS)}, got {self.cost_model!r}.")
+        if self.cost_model == "profile" and self.profile is None:
+            raise ValueError("`cost_model='profile'` needs `profile` (a path or dict written by `hf-dynspec calibrate`).")
+        if self.profile is not None and not isinstance(self.profile, (str, Path, dict)):
+            raise ValueError(f"`profile` must be a path or a dict, got {type(self.profile).__name__}.")
+        check_open_unit("prior_acceptance", self.prior_acceptance)
+        check_positive("prior_weight", self.prior_weight)
+        _check_number("acceptance_decay", self.acceptance_decay, 0.0)
+        if self.acceptance_decay == 0 or self.acceptance_decay > 1:
+            raise ValueError(f"`acceptance_decay` must be a number in (0, 1], got {self.acceptance_decay!r}.")
+        check_int("window", self.window, 1)
+        check_positive("tolerance", self.tolerance)
+        check_int("explore_interval", self.explore_interval, 1)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        _check_number("min_gain", self.min_gain, 0.0)
+        _check_number("probe_z", self.probe_z, 0.0)
+        check_int("probe_interval", self.probe_interval, 0)
+        if self.early_stop is not None and not isinstance(self.early_stop, (bool, dict)):
+            raise ValueError(f"`early_stop` must be None, a bool or a dict of confidence options, got {self.early_stop!r}.")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> GoodputSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"Unknown `goodput` policy option(s) {unknown}; valid options are {sorted(known)}.")
+        return cls(**options)
+
+
+class GoodputPolicy(DraftLengthPolicy):
+    """Per-step draft lengths that maximise expected tokens per second under a step cost model.
+
+    Each step: acceptance estimates per row (`AcceptanceEstimator`), caps `min(max, remaining - 1)`, then
+    `best_draft_lengths`. An online cost model may instead ask for one exploratory length (to measure a point it
+    lacks). After `probe_interval` consecutive plain steps the policy re-solves once with optimistic acceptance
+    (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
+    """
+
+    name = "goodput"
+
+    def __init__(
+        self,
+        settings: GoodputSettings | None = None,
+        cost_model: StepCostModel | None = None,
+        acceptance: AcceptanceEstimator | None = None,
+    ) -> None:
+        """
+        Args:
+            settings: policy options; defaults to `GoodputSettings()`.
+            cost_model: overrides the cost model named in `settings` (any `StepCostModel`).
+            acceptance: overrides the acceptance estimator built from `settings`.
+        """
+        self.settings = settings or GoodputSettings()
+        s = self.settings
+        self.cost_model = cost_model if cost_model is not None else _build_cost_model(s)
+        self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
+        self.stopper = _build_stopper(s.early_stop)
+        self.plain_streak = 0
+        self.last_exploration: int | None = None
+
+    def reset(self, num_rows: int) -> None:
+        self.acceptance.reset(num_rows)
+        if self.stopper is not None:
+            self.stopper.reset(num_rows)
+        self.plain_streak = 0
+
+    def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
+        batch, max_k = request.batch_size, request.max_draft_tokens
+        caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
+        if batch == 0 or max_k == 0:
+            return torch.zeros(batch, dtype=torch.long)
+        self.last_exploration = self.cost_model.exploration_length(batch, max_k)
+        if self.last_exploration is not None:
+            return caps.clamp(max=self.last_exploration)
+        acceptance = self.acceptance.mean(request.row_ids)
+        lengths = best_draft_lengths(acceptance, caps, max_k, self.cost_model, self.settings.min_gain)
+        if bool((lengths > 0).any()):
+            self.plain_streak = 0
+            return lengths
+        self.plain_streak += 1
+        if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
+            self.plain_streak = 0
+            optimistic = self.acceptance.upper(request.row_ids, self.settings.probe_z)
+            lengths = best_draft_lengths(optimistic, caps, max_k, self.cost_model, self.settings.min_gain)
+        return lengths
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.acceptance.update(feedback.row_ids, feedback.draft_lengths, feedback.accepted)
+        self.cost_model.observe(feedback)
+        if self.stopper is not None:
+            self.stopper.observe(feedback)
+
+    def continue_drafting(
+        self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
+    ) -> torch.BoolTensor | None:
+        if self.stopper is None:
+            return None
+        return self.stopper.continue_drafting(row_ids, position, draft_probs)
+
+
+def _build_cost_model(settings: GoodputSettings) -> StepCostModel:
+    profile = Profile.load(settings.profile) if settings.profile is not None else None
+    if settings.cost_model == "profile":
+        return ProfileCostModel(profile)
+    return OnlineCostModel(
+        window=settings.window,
+        tolerance=settings.tolerance,
+        explore_interval=settings.explore_interval,
+        warmup_steps=settings.warmup_steps,
+        profile=profile,
+    )
+
+
+def _build_stopper(early_stop: dict | bool | None) -> ConfidenceStopper | None:
+    if early_stop is None or early_stop is False:
+        return None
+    if early_stop is True:
+        return ConfidenceStopper()
+    known = {f.name for f in fields(ConfidenceSettings)}
+    unknown = sorted(set(early_stop) - known)
+    if unknown:
+        raise ValueError(f"Unknown `early_stop` option(s) {unknown}; valid options are {sorted(known)}.")
+    return ConfidenceStopper(ConfidenceSettings(**early_stop))
+
+
+def _check_number(name: str, value: Any, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise ValueError(f"`{name}` must be a finite number >= {minimum}, got {value!r}.")
