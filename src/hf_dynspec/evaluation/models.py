@@ -58,6 +58,8 @@ class ModelSpec:
     role: str  # "target" or "draft"
     hub_id: str
     gguf: GGUFParts
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids of the Hub release's `generation_config.json` (the GGUF metadata names only one)."""
 
 
 REGISTRY: dict[str, ModelSpec] = {
@@ -73,6 +75,7 @@ REGISTRY: dict[str, ModelSpec] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
+        eos_token_ids=(151645, 151643),
     ),
     "qwen2.5-coder-0.5b": ModelSpec(
         name="qwen2.5-coder-0.5b",
@@ -86,6 +89,7 @@ REGISTRY: dict[str, ModelSpec] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        eos_token_ids=(151645, 151643),
     ),
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -98,6 +102,8 @@ class ModelLocation:
 
     path: str
     gguf_file: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """When set, replaces the loaded model's `generation_config.eos_token_id`."""
 
     def from_pretrained_kwargs(self) -> dict[str, str]:
         """`gguf_file=...` when the model is a GGUF file, else nothing."""
@@ -241,7 +247,7 @@ def resolve_model(name: str, cache_dir: Path | None = None, install: bool = True
                     f"Model {name!r}: no local GGUF parts and the Hub id {spec.hub_id!r} is not reachable.\n{error}"
                 ) from error
             return ModelLocation(spec.hub_id)
-        return ModelLocation(str(path.parent), path.name)
+        return ModelLocation(str(path.parent), path.name, spec.eos_token_ids)
     local = Path(name).expanduser()
     if local.suffix == ".gguf":
         if not local.is_file():
@@ -266,6 +272,8 @@ def load_model(location: ModelLocation, dtype: torch.dtype = torch.float32) -> t
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, **location.from_pretrained_kwargs())
+    if location.eos_token_ids:
+        model.generation_config.eos_token_id = list(location.eos_token_ids)
     return model.eval()
 
 

@@ -1,0 +1,121 @@
+"""`hf-dynspec bench`: compare decoding methods on real (or tiny) models and prompts, in one run.
+
+Examples:
+
+```
+hf-dynspec bench --scenario fixed --num-prompts 4 --batch-sizes 1,16 --out results.json --plots plots/
+hf-dynspec bench --scenario long-tail --out long_tail.json
+hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..evaluation.bench import OUTPUT_LENGTHS, SCENARIOS, BenchSettings
+from ..evaluation.methods import MethodError, parse_policy_options
+from ..evaluation.models import DEFAULT_DRAFT, DEFAULT_TARGET, describe_registry
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,4,16, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _size_map(text: str) -> dict[int, int]:
+    try:
+        pairs = [part.split("=") for part in text.split(",") if part.strip()]
+        return {int(size): int(count) for size, count in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCH=PROMPTS pairs such as 1=4,16=16, got {text!r}") from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench`."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="Benchmark plain, transformers' assisted and hf_dynspec decoding on the same prompts.",
+        description=__doc__.split("\n\n")[0] + "\n\nRegistry models:\n" + describe_registry(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="fixed",
+                        help="Preset (dataset, batch sizes, methods, output lengths); other flags override it.")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="Registry name, local path or Hub id.")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="Registry name, local path or Hub id.")
+    parser.add_argument("--dataset", help="humaneval, sharegpt, mixed or a path to a .jsonl file.")
+    parser.add_argument("--num-prompts", type=int, help="Prompts per batch size (first N of the dataset).")
+    parser.add_argument("--batch-size-prompts", type=_size_map, default={},
+                        help="Fewer prompts at some batch sizes, e.g. 1=4 (batch size 1 is slowest per prompt).")
+    parser.add_argument("--batch-sizes", type=_int_list, help="Comma-separated, e.g. 1,4,16.")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--methods", help="Comma-separated; see `hf_dynspec.evaluation.methods` for the names.")
+    parser.add_argument("--policy-option", action="append", metavar="POLICY.OPTION=VALUE",
+                        help="Option of a dynspec policy, e.g. batch_table.table=table.json (repeatable).")
+    parser.add_argument("--output-lengths", choices=OUTPUT_LENGTHS,
+                        help="eos: rows stop at EOS; long-tail: each row also gets its own long-tailed budget.")
+    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--warmup-tokens", type=int, default=8, help="Tokens of the untimed warm-up run (0: none).")
+    parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-prompt-tokens", type=int, default=768, help="Skip longer prompts.")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tiny", action="store_true", help="Tiny random models and random token prompts (for CI).")
+    parser.add_argument("--out", type=Path, help="Write results JSON here.")
+    parser.add_argument("--plots", type=Path, help="Write PNG plots into this directory.")
+    parser.add_argument("--quiet", action="store_true", help="No progress bars.")
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """`BenchSettings` from the scenario preset, overridden by every flag given explicitly."""
+    preset = dict(SCENARIOS[args.scenario])
+    for key in ("dataset", "num_prompts", "batch_sizes", "max_new_tokens", "methods", "output_lengths"):
+        value = getattr(args, key)
+        if value is not None:
+            preset[key] = value
+    return BenchSettings(
+        target=args.target,
+        draft=args.draft,
+        policy_options=parse_policy_options(args.policy_option),
+        repetitions=args.repetitions,
+        warmup_tokens=args.warmup_tokens,
+        do_sample=args.do_sample,
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+        batch_size_prompts=args.batch_size_prompts,
+        tiny=args.tiny,
+        dtype=args.dtype,
+        scenario=args.scenario,
+        **preset,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the markdown table, write JSON and plots when asked."""
+    from ..evaluation.bench import run_benchmark
+    from ..evaluation.report import markdown_table
+
+    try:
+        settings = settings_from_args(args)
+        results = run_benchmark(settings, progress=not args.quiet)
+    except (ValueError, MethodError) as error:
+        raise SystemExit(f"hf-dynspec bench: {error}") from error
+    print(markdown_table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"\nResults: {args.out}")
+    if args.plots:
+        from ..evaluation.plots import write_plots
+
+        for path in write_plots(results, args.plots):
+            print(f"Plot: {path}")
+    return 0

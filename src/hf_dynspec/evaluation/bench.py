@@ -1,0 +1,292 @@
+"""The benchmark: every method on the same prompts, interleaved, warmed up, repeated; compared with `plain`.
+
+`run_benchmark(settings)` returns the `results.json` dict:
+`{"machine": {...}, "config": {...}, "runs": [...], "traces": [...]}` where each run is one (method, batch size) with
+median timings over the repetitions, and each trace holds the per-step records of a speculative-loop run for plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .methods import Method, check_policies, parse_methods
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "fixed": dict(
+        dataset="humaneval",
+        num_prompts=16,
+        batch_sizes=[1, 4, 16],
+        max_new_tokens=128,
+        methods="plain,hf-assisted,hf-heuristic,hf-prompt-lookup,dynspec-static:4,dynspec-goodput",
+        output_lengths="eos",
+    ),
+    "long-tail": dict(
+        dataset="humaneval",
+        num_prompts=32,
+        batch_sizes=[32],
+        max_new_tokens=256,
+        methods="plain,dynspec-static:4,dynspec-goodput",
+        output_lengths="long-tail",
+    ),
+    "mixed": dict(
+        dataset="mixed",
+        num_prompts=16,
+        batch_sizes=[16],
+        max_new_tokens=128,
+        methods="plain,dynspec-static:4,dynspec-goodput",
+        output_lengths="eos",
+    ),
+}
+"""Presets for the documented scenarios; explicit settings override them."""
+
+OUTPUT_LENGTHS = ("eos", "long-tail")
+
+
+@dataclass
+class BenchSettings:
+    """Everything that defines a benchmark run (stored as `config` in the results)."""
+
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str | None = "qwen2.5-coder-0.5b"
+    dataset: str = "humaneval"
+    num_prompts: int = 16
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    max_new_tokens: int = 128
+    methods: str = "plain,hf-assisted,dynspec-static:4"
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    repetitions: int = 2
+    warmup_tokens: int = 8
+    do_sample: bool = False
+    seed: int = 0
+    max_prompt_tokens: int = 768
+    output_lengths: str = "eos"
+    """`eos`: rows stop at EOS or `max_new_tokens`; `long-tail`: each row also has its own budget (see `long_tail_budgets`)."""
+    batch_size_prompts: dict[int, int] = field(default_factory=dict)
+    """Optional smaller prompt count per batch size, e.g. `{1: 4}` (batch size 1 is the slowest per prompt)."""
+    tiny: bool = False
+    dtype: str = "float32"
+    scenario: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError(f"`num_prompts` must be at least 1, got {self.num_prompts}.")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"`batch_sizes` must be positive integers, got {self.batch_sizes}.")
+        if self.repetitions < 1:
+            raise ValueError(f"`repetitions` must be at least 1, got {self.repetitions}.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be at least 1, got {self.max_new_tokens}.")
+        if self.output_lengths not in OUTPUT_LENGTHS:
+            raise ValueError(f"`output_lengths` must be one of {OUTPUT_LENGTHS}, got {self.output_lengths!r}.")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"`dtype` must be float32, bfloat16 or float16, got {self.dtype!r}.")
+
+    def prompts_for(self, batch_size: int) -> int:
+        return min(self.num_prompts, self.batch_size_prompts.get(batch_size, self.num_prompts))
+
+
+def long_tail_budgets(num_rows: int, max_new_tokens: int, seed: int = 0) -> list[int]:
+    """Per-row output budgets shaped like the end of an RL rollout: most rows short, a few run to the limit.
+
+    Budgets are `max_new_tokens * u**3` for uniform `u` (at least 8 tokens), and the first row always gets the full
+    `max_new_tokens`, so the batch shrinks from `num_rows` rows to one long straggler.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.rand(num_rows, generator=generator)
+    budgets = (u**3 * max_new_tokens).round().clamp(min=min(8, max_new_tokens)).long().tolist()
+    budgets[0] = max_new_tokens
+    return budgets
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU, cores, memory and library versions of this machine."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    memory = None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        total = next((line for line in meminfo.read_text().splitlines() if line.startswith("MemTotal")), None)
+        memory = f"{int(total.split()[1]) / 1024**2:.1f} GiB" if total else None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory": memory,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---- the run -------------------------------------------------------------------------------------------------------
+@dataclass
+class _Measured:
+    seconds: list[float] = field(default_factory=list)
+    outcome: Any = None
+    mismatched_prompts: int = 0
+    mismatched_tokens: int = 0
+
+
+def compare(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
+    """`(prompts that differ, tokens that differ)`: a token differs from the first diverging position on."""
+    prompts = tokens_off = 0
+    for row, ref in zip(tokens, reference):
+        if row != ref:
+            prompts += 1
+            same = next((i for i, (a, b) in enumerate(zip(row, ref)) if a != b), min(len(row), len(ref)))
+            tokens_off += max(len(row), len(ref)) - same
+    return prompts, tokens_off
+
+
+def run_benchmark(
+    settings: BenchSettings,
+    target: torch.nn.Module | None = None,
+    draft: torch.nn.Module | None = None,
+    prompts: list[list[int]] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every method at every batch size; returns the results dict (see the module docstring).
+
+    Models and prompt token ids are loaded from `settings` unless given. Methods run interleaved (the order rotates
+    every repetition) so drift in machine speed hits all alike; each (method, batch size) is warmed up once.
+    """
+    from .runner import Runner
+
+    methods = parse_methods(settings.methods, settings.policy_options)
+    check_policies(methods)
+    if target is None or prompts is None:
+        loaded_target, loaded_draft, loaded_prompts = load_inputs(settings, need_draft=any(m.uses_draft for m in methods))
+        target, draft = target or loaded_target, draft or loaded_draft
+        prompts = prompts if prompts is not None else loaded_prompts
+    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed)
+    budgets = long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed) if settings.output_lengths == "long-tail" else None
+    measured: dict[tuple[str, int], _Measured] = {}
+    jobs = [(rep, b, m) for rep in range(settings.repetitions) for b in settings.batch_sizes for m in _rotated(methods, rep)]
+    try:
+        _warm_up(runner, methods, settings, prompts, budgets, progress)
+        for _rep, batch_size, method in tqdm(jobs, desc="benchmark", disable=not progress):
+            count = settings.prompts_for(batch_size)
+            outcome = runner.run(method, prompts[:count], batch_size, budgets[:count] if budgets else None, progress=progress)
+            entry = measured.setdefault((method.name, batch_size), _Measured())
+            entry.seconds.append(outcome.seconds)
+            entry.outcome = outcome
+            reference = measured.get(("plain", batch_size))
+            if method.kind != "plain" and reference is not None and reference.outcome is not None:
+                wrong_prompts, wrong_tokens = compare(outcome.tokens, reference.outcome.tokens)
+                entry.mismatched_prompts = max(entry.mismatched_prompts, wrong_prompts)
+                entry.mismatched_tokens = max(entry.mismatched_tokens, wrong_tokens)
+        # methods that ran before plain in the first repetition are compared with it now
+        for (name, batch_size), entry in measured.items():
+            plain = measured[("plain", batch_size)].outcome
+            if name != "plain":
+                wrong_prompts, wrong_tokens = compare(entry.outcome.tokens, plain.tokens)
+                entry.mismatched_prompts = max(entry.mismatched_prompts, wrong_prompts)
+                entry.mismatched_tokens = max(entry.mismatched_tokens, wrong_tokens)
+    finally:
+        runner.close()
+    return {
+        "machine": machine_description(),
+        "config": _config_dict(settings, prompts, budgets),
+        "runs": [_run_record(m, b, measured[(m.name, b)], settings) for b in settings.batch_sizes for m in methods],
+        "traces": [_trace(m, b, measured[(m.name, b)]) for b in settings.batch_sizes for m in methods if m.kind == "dynspec"],
+    }
+
+
+def _rotated(methods: list[Method], shift: int) -> list[Method]:
+    shift %= len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def _warm_up(runner, methods: list[Method], settings: BenchSettings, prompts, budgets, progress: bool) -> None:
+    """One short run of every (method, batch size) on the first batch, untimed."""
+    if settings.warmup_tokens < 1:
+        return
+    pairs = [(m, b) for b in settings.batch_sizes for m in methods]
+    for method, batch_size in tqdm(pairs, desc="warm-up", leave=False, disable=not progress):
+        count = min(batch_size, settings.prompts_for(batch_size))
+        runner.run(method, prompts[:count], batch_size, budgets[:count] if budgets else None,
+                   max_new_tokens=settings.warmup_tokens, progress=False)
+
+
+def _run_record(method: Method, batch_size: int, entry: _Measured, settings: BenchSettings) -> dict[str, Any]:
+    outcome = entry.outcome
+    wall = statistics.median(entry.seconds)
+    return {
+        "method": method.name,
+        "batch_size": batch_size,
+        "tokens_per_s": outcome.new_tokens / wall if wall > 0 else None,
+        "wall_s": wall,
+        "wall_s_repetitions": entry.seconds,
+        "num_prompts": len(outcome.tokens),
+        "new_tokens": outcome.new_tokens,
+        "mean_accepted": outcome.mean_accepted(method),
+        "target_forwards": outcome.target_forwards,
+        "draft_forwards": outcome.draft_forwards,
+        "matches_plain": None if method.kind == "plain" else entry.mismatched_prompts == 0,
+        "mismatched_prompts": None if method.kind == "plain" else entry.mismatched_prompts,
+        "mismatched_tokens": None if method.kind == "plain" else entry.mismatched_tokens,
+        "rows_one_at_a_time": not method.batched and batch_size > 1,
+    }
+
+
+def _trace(method: Method, batch_size: int, entry: _Measured) -> dict[str, Any]:
+    outcome = entry.outcome
+    return {
+        "method": method.name,
+        "batch_size": batch_size,
+        "accepted_histogram": {str(k): v for k, v in sorted(Counter(outcome.accepted).items())},
+        "steps": outcome.steps,
+    }
+
+
+def _config_dict(settings: BenchSettings, prompts: list[list[int]], budgets: list[int] | None) -> dict[str, Any]:
+    config = dataclasses.asdict(settings)
+    config["batch_size_prompts"] = {str(k): v for k, v in settings.batch_size_prompts.items()}
+    config["prompt_lengths"] = [len(p) for p in prompts]
+    config["row_budgets"] = budgets
+    config["policy_instances"] = "one per dynspec method, reused across batches, batch sizes and repetitions"
+    return config
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+def load_inputs(settings: BenchSettings, need_draft: bool = True):
+    """`(target, draft, prompt token ids)` for `settings` (tiny random models and prompts when `settings.tiny`)."""
+    from .data import encode, load_prompts, random_token_prompts
+
+    count = max(settings.prompts_for(b) for b in settings.batch_sizes)
+    if settings.tiny:
+        from .tiny import TINY_VOCAB, tiny_pair
+
+        target, draft = tiny_pair(settings.seed)
+        return target, draft, random_token_prompts(count, TINY_VOCAB, seed=settings.seed)
+    from .models import load_model, load_tokenizer, resolve_model
+
+    dtype = getattr(torch, settings.dtype)
+    target_location = resolve_model(settings.target)
+    tokenizer = load_tokenizer(target_location)
+    prompts = encode(load_prompts(settings.dataset, 4 * count + 8), tokenizer, settings.max_prompt_tokens)[:count]
+    if len(prompts) < count:
+        raise ValueError(
+            f"Only {len(prompts)} prompts of {settings.dataset!r} fit in {settings.max_prompt_tokens} tokens; "
+            f"lower --num-prompts or raise --max-prompt-tokens."
+        )
+    draft = load_model(resolve_model(settings.draft), dtype) if need_draft and settings.draft else None
+    return load_model(target_location, dtype), draft, prompts

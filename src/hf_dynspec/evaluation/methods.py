@@ -1,0 +1,130 @@
+"""Benchmark methods by name: plain `generate`, transformers' assisted generation, and the speculative loop.
+
+| name | what runs |
+| --- | --- |
+| `plain` | `generate` without a proposer, batched |
+| `hf-assisted` | transformers' assisted generation with its defaults (rows one at a time) |
+| `hf-heuristic` | the same with `num_assistant_tokens_schedule="heuristic"` |
+| `hf-prompt-lookup[:N]` | transformers' prompt lookup, `prompt_lookup_num_tokens=N` (default 10) |
+| `dynspec-<policy>[:K]` | `hf_dynspec.generate` with the draft model and policy `<policy>` (at most K draft tokens) |
+| `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
+
+`<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
+`policy_options[<policy>]`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..config import DynSpecConfig
+
+POLICY_ALIASES = {"table": "batch_table"}
+"""Short method names for policies (`dynspec-table` runs the `batch_table` policy)."""
+
+DEFAULT_LOOKUP_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of generating; `kind` says which code path runs it."""
+
+    name: str
+    kind: Literal["plain", "hf", "dynspec"]
+    uses_draft: bool = False
+    generate_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    assistant_settings: dict[str, Any] = field(default_factory=dict, hash=False)
+    """Attributes set on the draft model's `generation_config` while this method runs (transformers reads them there)."""
+    dynspec_config: DynSpecConfig | None = field(default=None, hash=False)
+
+    @property
+    def batched(self) -> bool:
+        """False for transformers' assisted methods, which cannot batch: rows run one at a time."""
+        return self.kind != "hf"
+
+
+class MethodError(ValueError):
+    """A method name or its options are invalid; the message lists what is accepted."""
+
+
+def _count(name: str, argument: str | None, default: int) -> int:
+    if argument is None:
+        return default
+    if not argument.isdigit() or int(argument) < 1:
+        raise MethodError(f"In method {name!r} the number after ':' must be a positive integer, got {argument!r}.")
+    return int(argument)
+
+
+def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = None) -> Method:
+    """The `Method` for `name` (see the module docstring for the accepted names)."""
+    base, _, argument = name.strip().partition(":")
+    argument = argument or None
+    if base == "plain" and argument is None:
+        return Method(name, "plain")
+    if base == "hf-assisted" and argument is None:
+        return Method(name, "hf", uses_draft=True)
+    if base == "hf-heuristic" and argument is None:
+        return Method(name, "hf", uses_draft=True, assistant_settings={"num_assistant_tokens_schedule": "heuristic"})
+    if base == "hf-prompt-lookup":
+        tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
+        return Method(name, "hf", generate_kwargs={"prompt_lookup_num_tokens": tokens})
+    if base == "dynspec-prompt-lookup":
+        tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
+        config = DynSpecConfig(num_speculative_tokens=tokens, policy="static")
+        return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": tokens}, dynspec_config=config)
+    if base.startswith("dynspec-"):
+        policy = POLICY_ALIASES.get(base[len("dynspec-") :], base[len("dynspec-") :])
+        options = dict((policy_options or {}).get(policy, {}))
+        settings: dict[str, Any] = {"policy": policy, "policy_options": options}
+        if argument is not None:
+            settings["num_speculative_tokens"] = _count(name, argument, 0)
+        return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
+    raise MethodError(
+        f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], "
+        "dynspec-prompt-lookup[:N] or dynspec-<policy>[:K] with a policy from hf_dynspec.policies.POLICIES."
+    )
+
+
+def parse_methods(names: str | list[str], policy_options: dict[str, dict[str, Any]] | None = None) -> list[Method]:
+    """Methods from a comma-separated list; `plain` must be among them (every output is compared with it)."""
+    items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    methods = [parse_method(n, policy_options) for n in items if n]
+    seen = [m.name for m in methods]
+    if len(set(seen)) != len(seen):
+        raise MethodError(f"Methods are listed twice in {seen}; give each once.")
+    if "plain" not in seen:
+        raise MethodError(f"The methods {seen} must include 'plain': every method's output is compared with it.")
+    return methods
+
+
+def check_policies(methods: list[Method]) -> None:
+    """Raise `MethodError` when a `dynspec-*` method names a policy that is not registered."""
+    from ..policies import POLICIES
+
+    for method in methods:
+        if method.dynspec_config is not None and method.dynspec_config.policy not in POLICIES:
+            raise MethodError(
+                f"Method {method.name!r} needs policy {method.dynspec_config.policy!r}, which is not registered; "
+                f"registered policies: {sorted(POLICIES)}."
+            )
+
+
+def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """`["batch_table.table=t.json", "goodput.alpha=0.5"]` -> `{"batch_table": {"table": "t.json"}, ...}`.
+
+    Values are read as JSON when they parse (numbers, booleans, lists), else kept as strings.
+    """
+    options: dict[str, dict[str, Any]] = {}
+    for item in items or []:
+        key, equals, value = item.partition("=")
+        policy, dot, option = key.partition(".")
+        if not (equals and dot and policy and option):
+            raise MethodError(f"Policy options look like POLICY.OPTION=VALUE (e.g. goodput.window=8), got {item!r}.")
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        options.setdefault(POLICY_ALIASES.get(policy, policy), {})[option] = parsed
+    return options

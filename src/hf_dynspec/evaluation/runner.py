@@ -1,0 +1,272 @@
+"""Running one method over a list of prompts: padding, generation, timing, forward counts and output trimming."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+
+from .methods import Method
+
+
+class RowBudgets(StoppingCriteria):
+    """Stops each row after its own number of new tokens, like requests with different `max_tokens` in a server.
+
+    Rows are recognised by their left-padded prompt (the first `prompts.shape[1]` columns), so the same criterion
+    works when the batch shrinks or when `generate` hands over one row at a time.
+    """
+
+    def __init__(self, prompts: torch.LongTensor, budgets: Sequence[int]) -> None:
+        self.prompts = prompts  # [batch, prompt_width] left-padded prompt ids
+        self.budgets = torch.as_tensor(list(budgets), dtype=torch.long)  # [batch]
+        if self.budgets.shape[0] != prompts.shape[0]:
+            raise ValueError(f"Got {self.budgets.shape[0]} budgets for {prompts.shape[0]} prompts.")
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        width = self.prompts.shape[1]
+        same = (input_ids[:, None, :width] == self.prompts[None].to(input_ids.device)).all(dim=-1)  # [rows, batch]
+        budget = self.budgets.to(input_ids.device)[same.long().argmax(dim=1)]
+        return torch.full_like(budget, input_ids.shape[1] - width) >= budget
+
+
+@dataclass
+class Outcome:
+    """What one method produced on all prompts: trimmed new tokens per prompt, time and work done."""
+
+    tokens: list[list[int]]
+    seconds: float
+    target_forwards: int
+    draft_forwards: int
+    accepted: Counter = field(default_factory=Counter)
+    """Row-steps by accepted draft tokens (dynspec methods; only row-steps that proposed a draft)."""
+    steps: list[dict[str, float]] = field(default_factory=list)
+    """Per-step summaries of the speculative loop (dynspec methods)."""
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(row) for row in self.tokens)
+
+    def mean_accepted(self, method: Method) -> float | None:
+        """Mean accepted draft tokens per verification.
+
+        From the loop's records for dynspec methods; for transformers' methods derived from forward counts (each
+        target forward emits the accepted tokens plus one), for `plain` `None`.
+        """
+        if method.kind == "plain":
+            return None
+        if method.kind == "dynspec":
+            total = sum(self.accepted.values())
+            return sum(k * n for k, n in self.accepted.items()) / total if total else 0.0
+        return (self.new_tokens - self.target_forwards) / self.target_forwards if self.target_forwards else 0.0
+
+
+class ForwardCounter:
+    """Counts top-level forward calls of a module (a forward pre-hook)."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook) if module is not None else None
+
+    def _hook(self, module: torch.nn.Module, args: Any) -> None:
+        self.count += 1
+
+    def take(self) -> int:
+        """The count since the last `take`, resetting it."""
+        count, self.count = self.count, 0
+        return count
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """`(input_ids, attention_mask)`, both `[batch, longest prompt]`, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def trim(generated: torch.LongTensor, eos_ids: set[int], pad_id: int) -> list[list[int]]:
+    """Each row's new tokens: up to and including the first EOS, without trailing padding."""
+    rows = []
+    for row in generated.tolist():
+        for index, token in enumerate(row):
+            if token in eos_ids:
+                row = row[: index + 1]
+                break
+        else:
+            while row and row[-1] == pad_id:
+                row.pop()
+        rows.append(row)
+    return rows
+
+
+class Runner:
+    """Runs methods on a fixed target/draft pair with fixed generation settings.
+
+    Policy objects of dynspec methods are built once and reused for every call, so a policy that learns online
+    (the goodput controller's cost model) keeps what it learned across batches and repetitions. Transformers'
+    assisted methods each keep their own copy of the draft's generation config for the same reason (the heuristic
+    schedule carries its draft length over between calls).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.max_new_tokens, self.do_sample, self.seed = max_new_tokens, do_sample, seed
+        config = target.generation_config
+        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else _first(config.eos_token_id))
+        eos = config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._policies: dict[str, Any] = {}
+        self._draft_configs: dict[str, Any] = {}
+        self._target_counter = ForwardCounter(target)
+        self._draft_counter = ForwardCounter(draft)
+
+    # ---- public ------------------------------------------------------------------------------------------------
+    def run(
+        self,
+        method: Method,
+        prompts: Sequence[Sequence[int]],
+        batch_size: int,
+        budgets: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+        progress: bool = True,
+    ) -> Outcome:
+        """Generate for every prompt (in order) with `method`, `batch_size` prompts per `generate` call."""
+        if method.uses_draft and self.draft is None:
+            raise ValueError(f"Method {method.name!r} needs a draft model; pass one (--draft).")
+        self._target_counter.take(), self._draft_counter.take()
+        outcome = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
+        chunks = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
+        for chunk in tqdm(chunks, desc=f"{method.name} @ {batch_size}", leave=False, disable=not progress):
+            batch = [prompts[i] for i in chunk]
+            batch_budgets = [budgets[i] for i in chunk] if budgets is not None else None
+            if method.batched:
+                self._generate(method, batch, batch_budgets, max_new_tokens, outcome)
+            else:
+                for row, prompt in enumerate(batch):
+                    row_budget = [batch_budgets[row]] if batch_budgets is not None else None
+                    self._generate(method, [prompt], row_budget, max_new_tokens, outcome)
+        outcome.target_forwards += self._target_counter.take()
+        outcome.draft_forwards += self._draft_counter.take()
+        return outcome
+
+    def close(self) -> None:
+        """Remove the forward hooks."""
+        self._target_counter.remove()
+        self._draft_counter.remove()
+
+    # ---- one generate call --------------------------------------------------------------------------------------
+    def _generate(
+        self,
+        method: Method,
+        prompts: list[Sequence[int]],
+        budgets: list[int] | None,
+        max_new_tokens: int | None,
+        outcome: Outcome,
+    ) -> None:
+        input_ids, attention_mask = left_pad(prompts, self.pad_id)
+        kwargs: dict[str, Any] = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            do_sample=self.do_sample,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            **method.generate_kwargs,
+        )
+        if budgets is not None:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([RowBudgets(input_ids, budgets)])
+        if self.do_sample:
+            torch.manual_seed(self.seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = self._call(method, kwargs)
+        outcome.seconds += time.perf_counter() - start
+        outcome.tokens.extend(trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, self.pad_id))
+        stats = getattr(output, "dynspec_stats", None)
+        if stats is not None:
+            self._record_stats(stats, outcome)
+
+    def _call(self, method: Method, kwargs: dict[str, Any]):
+        if method.kind == "plain":
+            return self.target.generate(**kwargs)
+        if method.kind == "hf":
+            if not method.uses_draft:
+                return self.target.generate(**kwargs)
+            saved = self.draft.generation_config
+            self.draft.generation_config = self._draft_config(method)
+            try:
+                return self.target.generate(assistant_model=self.draft, **kwargs)
+            finally:
+                self.draft.generation_config = saved
+        import hf_dynspec
+
+        if method.uses_draft:
+            kwargs["assistant_model"] = self.draft
+        return hf_dynspec.generate(
+            self.target, dynspec_config=method.dynspec_config, dynspec_policy=self._policy(method), **kwargs
+        )
+
+    def _draft_config(self, method: Method):
+        if method.name not in self._draft_configs:
+            config = copy.deepcopy(self.draft.generation_config)
+            for key, value in method.assistant_settings.items():
+                setattr(config, key, value)
+            self._draft_configs[method.name] = config
+        return self._draft_configs[method.name]
+
+    def _policy(self, method: Method):
+        if method.name not in self._policies:
+            from ..policies import build_policy
+
+            self._policies[method.name] = build_policy(method.dynspec_config)
+        return self._policies[method.name]
+
+    def policy(self, method: Method):
+        """The (persistent) policy object a dynspec method runs with."""
+        return self._policy(method)
+
+    @staticmethod
+    def _record_stats(stats: Any, outcome: Outcome) -> None:
+        for step in stats.steps:
+            outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
+            outcome.steps.append(
+                {
+                    "batch_size": step.batch_size,
+                    "mean_draft_length": sum(step.draft_lengths) / max(1, len(step.draft_lengths)),
+                    "max_draft_length": max(step.draft_lengths, default=0),
+                    "mean_requested_length": sum(step.requested_lengths) / max(1, len(step.requested_lengths)),
+                    "mean_accepted": sum(step.accepted) / max(1, len(step.accepted)),
+                    "draft_seconds": step.draft_seconds,
+                    "verify_seconds": step.verify_seconds,
+                }
+            )
+
+
+def _first(value: int | list[int] | None) -> int:
+    if isinstance(value, list):
+        return int(value[0])
+    if value is None:
+        raise ValueError("The target's generation config has neither pad_token_id nor eos_token_id; set one.")
+    return int(value)
