@@ -8,6 +8,7 @@ import sys
 
 # Each module named here defines `add_parser(subparsers)`, which registers its sub-command and sets `func`.
 COMMAND_MODULES = [
+    "hf_dynspec.commands.calibrate",
     "hf_dynspec.commands.bench",
     "hf_dynspec.commands.demo",
     "hf_dynspec.commands.export_hub",

@@ -1,0 +1,247 @@
+"""Measure a target/draft pair's step costs on this machine (a [`Profile`]) and derive a vLLM batch table from it.
+
+What is timed mirrors one step of the loop: a target forward over `batch_size` rows of `tokens_per_row` new tokens
+(`1 + k`: the last token and `k` draft tokens) and a draft forward over `batch_size` rows of one new token, both on
+top of a KV cache of `context_length` tokens per row, which is cropped back after every forward so each repeat sees
+the same cache. Each point is run `warmup` times untimed, then `repeats` times; the profile keeps every sample and
+their median (the machine may be shared: the median ignores the odd slow run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel
+
+from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
+from .policies.batch_table import BatchTablePolicy
+
+
+@dataclass
+class CalibrationSettings:
+    """What `calibrate` measures."""
+
+    batch_sizes: list[int] = field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32], metadata={"help": "Batch sizes to time (increasing)."}
+    )
+    tokens_per_row: list[int] = field(
+        default_factory=lambda: [1, 2, 3, 5, 9],
+        metadata={"help": "New tokens per row in a target forward (1 + draft length); must include 1."},
+    )
+    context_length: int = field(default=256, metadata={"help": "Tokens per row already in the KV cache."})
+    warmup: int = field(default=2, metadata={"help": "Untimed runs before each measured point."})
+    repeats: int = field(default=5, metadata={"help": "Timed runs per point (the profile keeps their median)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the random token ids fed to the models."})
+
+    def __post_init__(self) -> None:
+        for name in ("batch_sizes", "tokens_per_row"):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or not values:
+                raise ValueError(f"`{name}` must be a non-empty list of integers >= 1, got {values!r}.")
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"`{name}` must hold integers >= 1 only, got {values!r}.")
+            if list(values) != sorted(set(values)):
+                raise ValueError(f"`{name}` must be strictly increasing without repeats, got {values!r}.")
+        if self.tokens_per_row[0] != 1:
+            raise ValueError(f"`tokens_per_row` must include 1 (the plain decoding step), got {self.tokens_per_row!r}.")
+        for name, minimum in (("context_length", 1), ("warmup", 0), ("repeats", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def time_call(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+class _CachedForward:
+    """Forwards of `tokens_per_row` random tokens on top of a fixed `context_length`-token KV cache."""
+
+    def __init__(self, model: PreTrainedModel, batch_size: int, context_length: int, generator: torch.Generator):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab = int(model.config.vocab_size)
+        self.batch_size, self.context_length, self.generator = batch_size, context_length, generator
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            self._forward(self.context_length, offset=0, keep=1)
+
+    def __call__(self, tokens_per_row: int, keep: int) -> None:
+        """One timed forward (logits of the last `keep` positions), then the cache is cut back to the context."""
+        with torch.inference_mode():
+            self._forward(tokens_per_row, offset=self.context_length, keep=keep)
+        self.cache.crop(-tokens_per_row)
+
+    def _forward(self, width: int, offset: int, keep: int) -> None:
+        ids = torch.randint(self.vocab, (self.batch_size, width), generator=self.generator).to(self.device)
+        positions = (offset + torch.arange(width)).unsqueeze(0).expand(self.batch_size, -1).to(self.device)
+        mask = torch.ones((self.batch_size, offset + width), dtype=torch.long, device=self.device)
+        self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+
+
+def _time_forwards(
+    model: PreTrainedModel,
+    batch_size: int,
+    tokens_per_row: Sequence[int],
+    settings: CalibrationSettings,
+    generator: torch.Generator,
+    bar: tqdm,
+) -> list[tuple[int, list[float]]]:
+    """`[(tokens, samples)]`: seconds of forwards of `tokens` new tokens per row, each after `warmup` untimed runs."""
+    forward = _CachedForward(model, batch_size, settings.context_length, generator)
+    timed = []
+    for tokens in tokens_per_row:
+        timed.append((tokens, time_call(partial(forward, tokens, tokens), settings.warmup, settings.repeats)))
+        bar.update()
+    return timed
+
+
+def calibrate(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    settings: CalibrationSettings | None = None,
+    target_name: str = "",
+    draft_name: str = "",
+    progress: bool = True,
+) -> Profile:
+    """Time the pair's forwards (tqdm progress bar unless `progress=False`) and return the [`Profile`]."""
+    settings = settings or CalibrationSettings()
+    generator = torch.Generator().manual_seed(settings.seed)
+    target_timings: list[TargetTiming] = []
+    draft_timings: list[DraftTiming] = []
+    total = len(settings.batch_sizes) * (len(settings.tokens_per_row) + 1)
+    with tqdm(total=total, desc="calibrating", unit="point", disable=not progress) as bar:
+        for batch_size in settings.batch_sizes:
+            bar.set_postfix(model="target", batch=batch_size)
+            timed = _time_forwards(target, batch_size, settings.tokens_per_row, settings, generator, bar)
+            target_timings += [TargetTiming(batch_size, t, statistics.median(s), s) for t, s in timed]
+            bar.set_postfix(model="draft", batch=batch_size)
+            [(_, samples)] = _time_forwards(draft, batch_size, [1], settings, generator, bar)
+            draft_timings.append(DraftTiming(batch_size, statistics.median(samples), samples))
+    return Profile(
+        target_forward=target_timings,
+        draft_forward=draft_timings,
+        target=target_name,
+        draft=draft_name,
+        device=str(next(target.parameters()).device),
+        dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
+        context_length=settings.context_length,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        created=f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} on {platform.node()}",
+    )
+
+
+def uniform_draft_length(cost_model: PaddedCostModel, batch_size: int, acceptance: float, max_draft_tokens: int) -> int:
+    """The draft length `goodput` picks when every one of `batch_size` rows has acceptance `acceptance`.
+
+    Under the padded cost every row may as well draft the longest length, so this is
+    `argmax_K batch * E(a, K) / C(batch, K)` over `K = 0 .. max_draft_tokens` (ties: the shorter length).
+    """
+    lengths = torch.arange(max_draft_tokens + 1)
+    tokens = batch_size * expected_tokens(torch.full((max_draft_tokens + 1,), float(acceptance)), lengths).numpy()
+    seconds = cost_model.padded_seconds(batch_size, lengths.numpy())
+    return int(np.argmax(tokens / seconds))
+
+
+def vllm_speculative_config(
+    profile: Profile,
+    acceptance: float,
+    num_speculative_tokens: int,
+    max_batch_size: int = 256,
+    method: str | None = "draft_model",
+    model: str | None = None,
+) -> dict[str, Any]:
+    """vLLM's `--speculative-config` with `num_speculative_tokens_per_batch_size` derived from `profile`.
+
+    Every batch size `1 .. max_batch_size` gets `uniform_draft_length` under the profile's cost model (beyond the
+    calibrated batch sizes the cost model extrapolates linearly); consecutive batch sizes with the same length are
+    merged into one `[start_bs, end_bs, k]` range. Choose `max_batch_size` at least vLLM's `max_num_seqs`: vLLM reuses
+    the last range's `k` above the table, while the `batch_table` policy here drafts the maximum there.
+    """
+    if not isinstance(acceptance, (int, float)) or not 0.0 <= acceptance <= 1.0 or math.isnan(acceptance):
+        raise ValueError(f"`acceptance` must be a number in [0, 1], got {acceptance!r}.")
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+        raise ValueError(f"`num_speculative_tokens` must be an integer >= 1, got {num_speculative_tokens!r}.")
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"`max_batch_size` must be an integer >= 1, got {max_batch_size!r}.")
+    cost_model = ProfileCostModel(profile)
+    table: list[list[int]] = []
+    for batch_size in range(1, max_batch_size + 1):
+        k = uniform_draft_length(cost_model, batch_size, acceptance, num_speculative_tokens)
+        if table and table[-1][2] == k:
+            table[-1][1] = batch_size
+        else:
+            table.append([batch_size, batch_size, k])
+    policy = BatchTablePolicy(num_speculative_tokens, table)
+    return policy.to_vllm_config(method=method, model=model if model is not None else profile.draft or None)
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """`"1,2,4"` -> `[1, 2, 4]`; a clear error naming `name` otherwise."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(f"{name} must be comma-separated integers such as 1,2,4, got {text!r}.") from error
+    if not values:
+        raise ValueError(f"{name} must list at least one integer, got {text!r}.")
+    return values
+
+
+def summarize(profile: Profile, batch_sizes: Sequence[int] | None = None) -> str:
+    """A short text table of the profile's median milliseconds."""
+    tokens = sorted({t.tokens_per_row for t in profile.target_forward})
+    sizes = sorted({t.batch_size for t in profile.target_forward}) if batch_sizes is None else list(batch_sizes)
+    target = {(t.batch_size, t.tokens_per_row): t.seconds for t in profile.target_forward}
+    draft = {t.batch_size: t.seconds for t in profile.draft_forward}
+    header = "batch | " + " | ".join(f"target t={t}" for t in tokens) + " | draft (ms)"
+    lines = [header]
+    for b in sizes:
+        cells = [f"{target[(b, t)] * 1e3:.1f}" if (b, t) in target else "-" for t in tokens]
+        draft_cell = f"{draft[b] * 1e3:.1f}" if b in draft else "-"
+        lines.append(f"{b:5d} | " + " | ".join(cells) + f" | {draft_cell}")
+    return "\n".join(lines)
+
+
+def tiny_pair(seed: int = 0, vocab_size: int = 128) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """`(target, draft)`: random 2-layer and 1-layer Llama models built from configs (no weights to download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **settings)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **settings)).eval()
+    return target, draft
