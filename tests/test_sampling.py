@@ -1,0 +1,170 @@
+"""Verification: exact hand-built cases, seeded determinism, and convergence to the target distribution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import left_padded_prompts, perturbed, tiny_model
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.verification import verify_greedy, verify_sampling
+
+
+def one_hot(indices: list[int], vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(indices), vocab).float()
+
+
+# ---- hand-built cases ------------------------------------------------------------------------------------------------
+def test_greedy_hand_built_with_placeholders():
+    vocab = 5
+    # target argmax per position: row 0 -> [1, 2, 3, 4]; row 1 -> [1, 0, 0, 0]; row 2 -> [2, 2, 2, 2]
+    scores = torch.stack([one_hot([1, 2, 3, 4], vocab), one_hot([1, 0, 0, 0], vocab), one_hot([2, 2, 2, 2], vocab)])
+    drafts = torch.tensor([[1, 2, 0], [1, 1, 1], [2, 2, 2]])
+    lengths = torch.tensor([3, 3, 1])  # row 2 has one draft token; the rest are placeholders that must not count
+    accepted, next_tokens = verify_greedy(scores, drafts, lengths)
+    assert accepted.tolist() == [2, 1, 1]
+    assert next_tokens.tolist() == [3, 0, 2]  # recovered, recovered, bonus
+
+
+def test_sampling_hand_built_certain_outcomes():
+    vocab = 4
+    p = torch.stack([one_hot([2, 3, 1], vocab), one_hot([0, 0, 0], vocab)])  # [2, k + 1, vocab]
+    q = torch.stack([one_hot([2, 3], vocab), one_hot([1, 1], vocab)])  # row 0 drafts what p wants; row 1 does not
+    drafts = torch.tensor([[2, 3], [1, 1]])
+    accepted, next_tokens = verify_sampling(p, drafts, torch.tensor([2, 2]), q)
+    assert accepted.tolist() == [2, 0]
+    assert next_tokens.tolist() == [1, 0]  # bonus from p[k]; recovered from norm(max(0, p - q)) = token 0
+
+
+def test_sampling_deterministic_proposals_use_one_hot_q():
+    p = torch.tensor([[[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]]])
+    drafts = torch.tensor([[0]])  # p(0) = 0: always rejected; residual is p itself without token 0
+    for _ in range(20):
+        accepted, next_tokens = verify_sampling(p, drafts, torch.tensor([1]), None)
+        assert accepted.item() == 0 and next_tokens.item() in (1, 2)
+
+
+# ---- convergence of the verifier alone ------------------------------------------------------------------------------
+def total_variation(samples: torch.Tensor, reference: torch.Tensor) -> float:
+    empirical = torch.bincount(samples, minlength=reference.shape[0]).float() / samples.shape[0]
+    return 0.5 * float((empirical - reference).abs().sum())
+
+
+def assert_converges(draw, target: torch.Tensor, sizes=(100, 1_000, 10_000, 100_000)) -> None:
+    """Distance to the target shrinks with the sample size and ends far below the distance to random references."""
+    generator = torch.Generator().manual_seed(0)
+    references = [torch.rand(target.shape[0], generator=generator) for _ in range(10)]
+    references = [r / r.sum() for r in references]
+    distances = [total_variation(draw(n), target) for n in sizes]
+    assert distances[-1] < distances[0] / 5, distances
+    final = draw(sizes[-1])
+    assert total_variation(final, target) < 0.2 * min(total_variation(final, r) for r in references)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verifier_output_follows_target(k):
+    vocab = 6
+    generator = torch.Generator().manual_seed(k)
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=generator) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=generator) * 1.5, dim=-1)
+
+    def first_and_second(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts = torch.stack([torch.multinomial(q[i], n, replacement=True) for i in range(k)], dim=1)  # [n, k]
+        accepted, next_tokens = verify_sampling(
+            p.expand(n, -1, -1), drafts, torch.full((n,), k), q.expand(n, -1, -1)
+        )
+        emitted = torch.cat([drafts, next_tokens.unsqueeze(1)], dim=1)
+        emitted.scatter_(1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
+        return emitted[:, 0], emitted[accepted >= 1, 1]
+
+    assert_converges(lambda n: first_and_second(n)[0], p[0])
+    assert_converges(lambda n: first_and_second(n)[1], p[1], sizes=(300, 3_000, 30_000, 300_000))
+
+
+# ---- convergence of the whole loop -------------------------------------------------------------------------------
+VOCAB, NEW = 6, 3
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    target = tiny_model("llama", seed=4, vocab=VOCAB, eos_token_id=None)
+    target.generation_config.eos_token_id = None
+    return target, perturbed(target, scale=0.3, seed=8)
+
+
+def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList) -> torch.Tensor:
+    """Probability of every continuation of `NEW` tokens under `model` with `processors`: `[VOCAB ** NEW]`."""
+    joint = torch.ones(1)
+    prefixes = prompt.unsqueeze(0)  # [1, length]
+    for _ in range(NEW):
+        logits = model(prefixes).logits[:, -1].float()
+        probs = processors(prefixes, logits).softmax(dim=-1)  # [num_prefixes, vocab]
+        joint = (joint.unsqueeze(1) * probs).reshape(-1)
+        prefixes = torch.cat(
+            [prefixes.repeat_interleave(VOCAB, dim=0), torch.arange(VOCAB).repeat(prefixes.shape[0]).unsqueeze(1)], 1
+        )
+    return joint
+
+
+def sample_loop(target, draft, prompt, k, n, temperature, top_k) -> torch.Tensor:
+    ids = prompt.unsqueeze(0).expand(n, -1)
+    out = target.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=None,
+        max_new_tokens=NEW,
+        assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=k),
+    )
+    generated = out[:, prompt.shape[0] :]  # [n, NEW]
+    return (generated * torch.tensor([VOCAB**i for i in reversed(range(NEW))])).sum(dim=1)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_loop_samples_follow_target_distribution(small_vocab_pair, k):
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([3, 4, 5, 3, 2])
+    temperature, top_k = 0.9, 5
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    with torch.no_grad():
+        joint = exact_joint(target, prompt, processors)
+    torch.manual_seed(k)
+    assert_converges(lambda n: sample_loop(target, draft, prompt, k, n, temperature, top_k), joint,
+                     sizes=(200, 2_000, 20_000))
+
+
+def test_seeded_sampling_is_reproducible(small_vocab_pair):
+    target, draft = small_vocab_pair
+    ids, mask = left_padded_prompts([4, 7, 5], vocab=VOCAB, seed=1)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(
+            target.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                max_new_tokens=20,
+                assistant_model=draft,
+                custom_generate=hf_dynspec.speculative_loop,
+            )
+        )
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_exact_joint_sums_to_one(small_vocab_pair):
+    target, _ = small_vocab_pair
+    with torch.no_grad():
+        joint = exact_joint(target, torch.tensor([3, 4]), LogitsProcessorList([TemperatureLogitsWarper(0.9)]))
+    assert joint.shape == (VOCAB**NEW,)
+    assert abs(float(joint.sum()) - 1.0) < 1e-6
+    assert sum(1 for _ in itertools.product(range(VOCAB), repeat=NEW)) == joint.shape[0]
