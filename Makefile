@@ -17,3 +17,7 @@ test: install
 
 lint:
 	$(PYTHON) -m ruff check src tests
+
+# Documentation site; strict, so broken links and references fail the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
