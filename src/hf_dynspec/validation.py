@@ -37,12 +37,12 @@ def check_vocabularies(model: PreTrainedModel, draft: PreTrainedModel) -> None:
 
 
 def _check_mode(generation_config: GenerationConfig, synced_gpus: bool) -> None:
-    if generation_config.num_beams != 1:
+    if (generation_config.num_beams or 1) != 1:
         raise ValueError(
             f"Beam search (num_beams={generation_config.num_beams}) cannot be combined with speculative decoding; "
             "set num_beams=1 or drop the assistant model."
         )
-    if generation_config.num_return_sequences != 1:
+    if (generation_config.num_return_sequences or 1) != 1:
         raise ValueError(
             f"num_return_sequences={generation_config.num_return_sequences} is not supported by the speculative loop; "
             "repeat the prompt in the batch instead (each row samples independently)."
@@ -104,6 +104,8 @@ def _check_inputs(input_ids: torch.LongTensor, model_kwargs: dict, generation_co
             "Right padding detected (attention_mask ends with 0 in some rows). Decoder-only generation needs left "
             "padding: load the tokenizer with padding_side='left'."
         )
+    if generation_config.max_length is None:
+        raise ValueError("max_length is unset: call the loop through `generate`, which prepares it, or set it.")
     if generation_config.max_length <= input_ids.shape[1]:
         raise ValueError(
             f"max_length ({generation_config.max_length}) leaves no room after the {input_ids.shape[1]}-token "

@@ -1,0 +1,145 @@
+"""Every unsupported input raises a clear error naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_prompts, tiny_model
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, StaticCache
+
+import hf_dynspec
+from hf_dynspec import DraftLengthPolicy, DynSpecConfig
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    ids, mask = left_padded_prompts([4, 6], seed=0)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run(model, inputs, **kwargs):
+    kwargs.setdefault("max_new_tokens", 5)
+    return model.generate(**inputs, custom_generate=hf_dynspec.speculative_loop, **kwargs)
+
+
+def test_vocabulary_mismatch(target, inputs):
+    other = tiny_model("llama", seed=1, vocab=80)
+    with pytest.raises(ValueError, match="vocabulary .* differs .* out of scope"):
+        hf_dynspec.generate(target, **inputs, assistant_model=other, max_new_tokens=5)
+    enabled = hf_dynspec.enable(tiny_model("llama", seed=0))
+    with pytest.raises(ValueError, match="different tokenizer are out of scope"):
+        enabled.generate(**inputs, assistant_model=other, max_new_tokens=5)
+
+
+def test_beam_search(target, inputs):
+    with pytest.raises(ValueError, match="Beam search"):
+        hf_dynspec.generate(target, **inputs, assistant_model=target, num_beams=2, max_new_tokens=5)
+
+
+def test_num_return_sequences(target, inputs):
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        hf_dynspec.generate(target, **inputs, prompt_lookup_num_tokens=3, num_return_sequences=2, do_sample=True)
+
+
+def test_static_cache(target, inputs):
+    with pytest.raises(ValueError, match="StaticCache.*dynamic KV cache"):
+        run(target, inputs, assistant_model=target, cache_implementation="static")
+    cache = StaticCache(config=target.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="StaticCache"):
+        run(target, inputs, assistant_model=target, past_key_values=cache)
+
+
+def test_use_cache_false(target, inputs):
+    with pytest.raises(ValueError, match="use_cache=False"):
+        run(target, inputs, assistant_model=target, use_cache=False)
+
+
+def test_model_without_dynamic_cache_support(target, inputs):
+    class NoCacheModel(type(target)):
+        _supports_default_dynamic_cache = classmethod(lambda cls: False)
+
+    model = NoCacheModel(target.config).to(torch.float64).eval()
+    with pytest.raises(ValueError, match="does not support transformers' dynamic KV cache"):
+        hf_dynspec.speculative_loop(
+            model, inputs["input_ids"], [], [], GenerationConfig(max_length=20), assistant_model=target
+        )
+
+
+def test_right_padding(target):
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="Right padding.*padding_side='left'"):
+        run(target, {"input_ids": ids, "attention_mask": mask}, assistant_model=target)
+
+
+def test_negative_lengths(target, inputs):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        DynSpecConfig(num_speculative_tokens=-1)
+
+    class Negative(DraftLengthPolicy):
+        def draft_lengths(self, request):
+            return torch.full((request.batch_size,), -2)
+
+    with pytest.raises(ValueError, match="returned draft lengths .* non-negative"):
+        run(target, inputs, assistant_model=target, dynspec_policy=Negative())
+
+
+def test_draft_that_cannot_crop_its_cache(target, inputs):
+    config = MistralConfig(
+        vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0,
+    )
+    sliding = MistralForCausalLM(config).to(torch.float64).eval()
+    with pytest.raises(ValueError, match="cannot hold masked entries or be cropped"):
+        run(target, inputs, assistant_model=sliding)
+
+
+def test_stateful_draft(target, inputs):
+    class Stateful(type(target)):
+        _is_stateful = True
+
+    stateful = Stateful(target.config).to(torch.float64).eval()
+    with pytest.raises(ValueError, match="stateful"):
+        hf_dynspec.speculative_loop(
+            target, inputs["input_ids"], [], [], GenerationConfig(max_length=20), assistant_model=stateful
+        )
+
+
+def test_no_proposer(target, inputs):
+    with pytest.raises(ValueError, match="needs a proposer"):
+        hf_dynspec.speculative_loop(target, inputs["input_ids"], [], [], GenerationConfig(max_length=20))
+
+
+def test_both_proposers(target, inputs):
+    with pytest.raises(ValueError, match="choose one proposer"):
+        hf_dynspec.generate(target, **inputs, assistant_model=target, prompt_lookup_num_tokens=3, max_new_tokens=4)
+
+
+def test_unsupported_outputs(target, inputs):
+    with pytest.raises(ValueError, match="output_scores"):
+        run(target, inputs, assistant_model=target, output_scores=True, return_dict_in_generate=True)
+
+
+def test_encoder_decoder_and_custom_generate_conflict(target, inputs):
+    with pytest.raises(ValueError, match="custom_generate"):
+        hf_dynspec.generate(target, **inputs, assistant_model=target, custom_generate=lambda *a, **k: None)
+
+
+def test_bad_config_values(target, inputs):
+    with pytest.raises(ValueError, match="Unknown DynSpecConfig key"):
+        run(target, inputs, assistant_model=target, dynspec_config={"num_speculative_token": 3})
+    with pytest.raises(ValueError, match="Unknown policy 'nope'"):
+        run(target, inputs, assistant_model=target, dynspec_config=DynSpecConfig(policy="nope"))
+    with pytest.raises(ValueError, match="dynspec_config"):
+        run(target, inputs, assistant_model=target, dynspec_config=3)
+
+
+def test_gpt2_draft_with_other_vocab(target, inputs):
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="vocabulary"):
+        hf_dynspec.generate(target, **inputs, assistant_model=gpt2, max_new_tokens=4)
