@@ -1,0 +1,146 @@
+"""The ways in: callable `custom_generate`, `hf_dynspec.generate`, `enable`/`disable`, transformers' own loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import left_padded_prompts, perturbed, tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.draft_model import DraftModelProposer
+from hf_dynspec.candidates.prompt_lookup import PromptLookupProposer, lookup_continuation
+from hf_dynspec.placement import Placement
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model("llama", seed=0)
+    return target, perturbed(target, scale=0.05)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    ids, mask = left_padded_prompts([5, 9, 3], seed=2)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_generate_function_matches_callable(models, inputs):
+    target, draft = models
+    expected = target.generate(**inputs, do_sample=False, max_new_tokens=15)
+    direct = hf_dynspec.generate(target, **inputs, assistant_model=draft, do_sample=False, max_new_tokens=15)
+    assert torch.equal(direct, expected)
+
+
+def test_enable_and_disable(inputs):
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    expected = target.generate(**inputs, do_sample=False, max_new_tokens=12)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=12)
+
+    hf_dynspec.enable(target)
+    out = target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=12,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.dynspec_stats.num_steps > 0
+    assert torch.equal(target.generate(**inputs, do_sample=False, max_new_tokens=12), expected)  # no proposer: plain
+
+    hf_dynspec.disable(target)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=12)
+
+
+def test_proposers_inside_transformers_batch_one_loop(models):
+    """As `CandidateGenerator`s, both proposers drive transformers' own assisted loop at batch size 1."""
+    target, draft = models
+    ids, mask = left_padded_prompts([9], seed=4)
+    ids = ids % 5 + 3
+    expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    placement = Placement.of(ids.device, target, draft)
+    proposers = [
+        DraftModelProposer(draft, [], target.generation_config, placement, DynSpecConfig(num_speculative_tokens=3)),
+        PromptLookupProposer(max_ngram=2, num_output_tokens=3),
+    ]
+    for proposer in proposers:
+        target._get_candidate_generator = lambda proposer=proposer, **kwargs: proposer
+        try:
+            out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                                  assistant_model=draft)
+        finally:
+            del target._get_candidate_generator
+        assert torch.equal(out, expected), type(proposer).__name__
+
+
+def test_prompt_lookup_continuation():
+    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6, 7])
+    assert lookup_continuation(tokens, max_ngram=3, min_ngram=1, length=2).tolist() == [1, 5]  # latest match
+    assert lookup_continuation(torch.tensor([1, 2, 3]), 3, 1, 4).tolist() == []
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1))
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_every_token(models):
+    target, draft = models
+    ids, mask = left_padded_prompts([6], seed=3)
+    streamer = Recorder()
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=14, streamer=streamer,
+                          assistant_model=draft, custom_generate=hf_dynspec.speculative_loop)
+    assert streamer.ended
+    assert torch.equal(torch.cat(streamer.chunks[1:]), out[0, ids.shape[1] :])  # chunk 0 is the prompt
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_user_stopping_criteria_match_plain(models, inputs):
+    target, draft = models
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=25)
+    token = int(plain[1, inputs["input_ids"].shape[1] + 6])
+    criteria = StoppingCriteriaList([StopAfterToken(token)])
+    expected = target.generate(**inputs, do_sample=False, max_new_tokens=25, stopping_criteria=criteria)
+    out = hf_dynspec.generate(target, **inputs, assistant_model=draft, do_sample=False, max_new_tokens=25,
+                              stopping_criteria=criteria)
+    assert torch.equal(out, expected)
+
+
+def test_draft_in_another_dtype(models, inputs):
+    target, draft = models
+    expected = target.generate(**inputs, do_sample=False, max_new_tokens=15)
+    draft32 = perturbed(target, scale=0.05).to(torch.float32)
+    assert torch.equal(hf_dynspec.generate(target, **inputs, assistant_model=draft32, max_new_tokens=15), expected)
+
+
+def test_stats_record_each_step(models, inputs):
+    target, draft = models
+    out = hf_dynspec.generate(target, **inputs, assistant_model=draft, max_new_tokens=15,
+                              return_dict_in_generate=True, dynspec_config=DynSpecConfig(num_speculative_tokens=3))
+    stats = out.dynspec_stats
+    assert stats.num_steps == len(stats.steps) > 0
+    for step in stats.steps:
+        assert step.batch_size == len(step.row_ids) == len(step.draft_lengths) == len(step.accepted)
+        assert all(0 <= a <= k <= 3 for a, k in zip(step.accepted, step.draft_lengths))
+        assert step.target_tokens == step.batch_size * (1 + max(step.draft_lengths))
+        assert step.draft_seconds >= 0 and step.verify_seconds > 0
+    generated = (out.sequences[:, inputs["input_ids"].shape[1] :] != 0).sum()
+    assert stats.emitted_tokens == int(generated) == 3 * 15
+    assert stats.target_forwards == stats.num_steps + 1
+    json.dumps(stats.to_dict())
