@@ -1,0 +1,514 @@
+"""Draft-length policies without models: the goodput search, batch tables, threshold, heuristic, confidence."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.estimators import (
+    AcceptanceEstimator,
+    DraftTiming,
+    PaddedCostModel,
+    PiecewiseLinear,
+    Profile,
+    StepCostModel,
+    TargetTiming,
+    expected_tokens,
+)
+from hf_dynspec.policies import (
+    BatchTablePolicy,
+    ConfidencePolicy,
+    ConfidenceSettings,
+    GoodputPolicy,
+    GoodputSettings,
+    HeuristicPolicy,
+    PolicyInput,
+    StepFeedback,
+    ThresholdPolicy,
+    best_draft_lengths,
+    build_policy,
+)
+from hf_dynspec.policies.confidence import best_threshold
+from hf_dynspec.policies.goodput import candidate_lengths
+
+# The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
+VLLM_EAGLE = """{
+"method": "eagle",
+"model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+"num_speculative_tokens": 3,
+"num_speculative_tokens_per_batch_size": [
+[1, 64, 3],
+[65, 128, 1],
+[129, 512, 0]
+]
+}"""
+VLLM_EAGLE3 = """{
+"method": "eagle3",
+"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+"num_speculative_tokens": 3,
+"num_speculative_tokens_per_batch_size": [
+[1, 16, 5],
+[17, 32, 4],
+[33, 64, 3],
+[65, 128, 1],
+[129, 512, 0]
+]
+}"""
+
+
+# ---- synthetic cost models -----------------------------------------------------------------------------------------
+class FunctionCost(StepCostModel):
+    """A cost model from a Python function of the length vector (priced one candidate at a time)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
+        return float(self.fn(batch_size, lengths))
+
+
+def padded_cost(batch, lengths):  # the loop's reality: draft max(k) forwards, verify batch * (1 + max k) tokens
+    k = int(lengths.max())
+    return 0.2 + 0.01 * batch * (1 + k) + 0.03 * k
+
+
+def ragged_cost(batch, lengths):  # a verifier that processes only real tokens: sum(1 + k_i)
+    return 0.1 + 0.02 * float((1 + lengths).sum())
+
+
+def mixed_cost(batch, lengths):  # draft priced by max(k), verification by sum(1 + k_i), with a superlinear term
+    total = float((1 + lengths).sum())
+    return 0.15 + 0.04 * int(lengths.max()) + 0.01 * total + 0.002 * total**1.5
+
+
+def rate(acceptance: torch.Tensor, lengths: torch.LongTensor, cost) -> float:
+    return float(expected_tokens(acceptance, lengths).sum()) / cost(acceptance.shape[0], lengths)
+
+
+def brute_force(acceptance: torch.Tensor, caps: torch.LongTensor, cost) -> tuple[float, torch.LongTensor]:
+    best, best_lengths = -1.0, None
+    for combo in itertools.product(*[range(int(c) + 1) for c in caps]):
+        lengths = torch.tensor(combo)
+        value = rate(acceptance, lengths, cost)
+        if value > best + 1e-12:
+            best, best_lengths = value, lengths
+    return best, best_lengths
+
+
+def request(batch: int, max_k: int, remaining: int | list[int] = 100, step: int = 0, row_ids=None) -> PolicyInput:
+    remaining_t = torch.tensor(remaining) if isinstance(remaining, list) else torch.full((batch,), remaining)
+    rows = torch.arange(batch) if row_ids is None else torch.tensor(row_ids)
+    return PolicyInput(step=step, row_ids=rows, remaining_tokens=remaining_t, max_draft_tokens=max_k)
+
+
+def feedback(rows, lengths, accepted, draft_seconds=0.0, verify_seconds=0.1) -> StepFeedback:
+    rows, lengths, accepted = torch.tensor(rows), torch.tensor(lengths), torch.tensor(accepted)
+    tokens = len(rows) * (1 + int(lengths.max()))
+    return StepFeedback(rows, lengths, lengths, accepted, draft_seconds, verify_seconds, tokens)
+
+
+# ---- goodput: the search ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cost", [padded_cost, ragged_cost, mixed_cost], ids=["padded", "ragged", "mixed"])
+def test_goodput_search_matches_brute_force(cost) -> None:
+    generator = torch.Generator().manual_seed(0)
+    unique_optima = 0
+    for trial in range(40):
+        batch = 1 + trial % 4
+        max_k = 2 + trial % 3
+        acceptance = torch.rand(batch, generator=generator, dtype=torch.float64)
+        caps = torch.randint(0, max_k + 1, (batch,), generator=generator)
+        chosen = best_draft_lengths(acceptance, caps, max_k, FunctionCost(cost))
+        best, best_lengths = brute_force(acceptance, caps, cost)
+        assert bool((chosen <= caps).all())
+        assert rate(acceptance, chosen, cost) == pytest.approx(best, rel=1e-12)
+        runner_up = max(
+            rate(acceptance, torch.tensor(c), cost)
+            for c in itertools.product(*[range(int(k) + 1) for k in caps])
+            if list(c) != best_lengths.tolist()
+        ) if int(caps.sum()) else -1.0
+        if best - runner_up > 1e-9:  # a unique optimum: the very same lengths
+            unique_optima += 1
+            assert chosen.tolist() == best_lengths.tolist()
+    assert unique_optima >= 20
+
+
+def test_goodput_search_is_exact_at_batch_8_with_heterogeneous_rows() -> None:
+    acceptance = torch.tensor([0.95, 0.9, 0.3, 0.1, 0.7, 0.55, 0.8, 0.05], dtype=torch.float64)
+    caps = torch.tensor([3, 3, 3, 3, 3, 1, 2, 3])
+    chosen = best_draft_lengths(acceptance, caps, 3, FunctionCost(ragged_cost))
+    best, best_lengths = brute_force(acceptance, caps, ragged_cost)
+    assert chosen.tolist() == best_lengths.tolist()
+    assert len(set(chosen.tolist())) > 1  # rows with different acceptance get different lengths
+
+
+def test_candidates_include_plain_decoding_and_respect_caps() -> None:
+    acceptance = torch.tensor([0.9, 0.5, 0.2], dtype=torch.float64)
+    caps = torch.tensor([4, 0, 2])
+    lengths, tokens = candidate_lengths(acceptance, caps, 4)
+    assert lengths[0].tolist() == [0, 0, 0] and float(tokens[0]) == 3.0
+    assert bool((lengths <= caps).all())
+    torch.testing.assert_close(tokens, expected_tokens(acceptance.expand(len(lengths), 3).reshape(-1),
+                                                       lengths.reshape(-1)).reshape(-1, 3).sum(1))
+
+
+def test_goodput_chooses_plain_decoding_when_verification_is_expensive() -> None:
+    expensive = FunctionCost(lambda batch, lengths: 0.1 + 0.5 * int(lengths.max()))  # each extra token costs 5 steps
+    acceptance = torch.full((4,), 0.9, dtype=torch.float64)
+    chosen = best_draft_lengths(acceptance, torch.full((4,), 8), 8, expensive)
+    assert chosen.tolist() == [0, 0, 0, 0]
+    cheap = FunctionCost(lambda batch, lengths: 0.1 + 0.001 * int(lengths.max()))
+    assert best_draft_lengths(acceptance, torch.full((4,), 8), 8, cheap).tolist() == [8, 8, 8, 8]
+
+
+def test_goodput_min_gain_keeps_plain_decoding_on_a_marginal_win() -> None:
+    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.45 * int(lengths.max()))
+    acceptance = torch.full((1,), 0.5, dtype=torch.float64)  # k = 1: 1.5 tokens in 1.45 s beats 1 token in 1 s by 3%
+    assert best_draft_lengths(acceptance, torch.tensor([1]), 1, cost).tolist() == [1]
+    assert best_draft_lengths(acceptance, torch.tensor([1]), 1, cost, min_gain=0.05).tolist() == [0]
+
+
+def test_goodput_rejects_a_cost_model_returning_nonpositive_seconds() -> None:
+    with pytest.raises(ValueError, match="finite positive seconds"):
+        best_draft_lengths(torch.tensor([0.5]), torch.tensor([2]), 2, FunctionCost(lambda b, k: 0.0))
+
+
+# ---- goodput: the policy -------------------------------------------------------------------------------------------
+def measured_profile() -> Profile:
+    """Target costs measured with Qwen2.5-Coder 1.5B (float32 CPU); draft forwards assumed a third of the target's."""
+    return Profile(
+        target_forward=[
+            TargetTiming(1, 1, 0.229),
+            TargetTiming(1, 8, 0.633),
+            TargetTiming(16, 1, 0.656),
+            TargetTiming(16, 2, 1.003),
+        ],
+        draft_forward=[DraftTiming(1, 0.076), DraftTiming(16, 0.22)],
+    )
+
+
+def goodput_with_acceptance(value: float, **options) -> GoodputPolicy:
+    settings = GoodputSettings(cost_model="profile", profile=measured_profile().to_dict(), prior_acceptance=value,
+                               **options)
+    return GoodputPolicy(settings)
+
+
+def test_goodput_speculates_at_batch_1_and_not_at_batch_16_with_measured_costs() -> None:
+    policy = goodput_with_acceptance(0.75)
+    policy.reset(16)
+    assert int(policy.draft_lengths(request(1, 8)).max()) > 0
+    assert policy.draft_lengths(request(16, 8)).tolist() == [0] * 16
+
+
+def linear_profile() -> Profile:
+    """A calibration grid of a target costing 0.2 s + 10 ms per token and a draft costing 50 ms + 5 ms per row."""
+    sizes, tokens = [1, 2, 4, 8, 16, 32], [1, 2, 3, 5, 9]
+    return Profile(
+        target_forward=[TargetTiming(b, t, 0.2 + 0.01 * b * t) for b in sizes for t in tokens],
+        draft_forward=[DraftTiming(b, 0.05 + 0.005 * b) for b in sizes],
+    )
+
+
+def test_goodput_lengths_rise_as_the_batch_shrinks() -> None:
+    policy = GoodputPolicy(GoodputSettings(cost_model="profile", profile=linear_profile().to_dict(),
+                                           prior_acceptance=0.8))
+    policy.reset(32)
+    longest = [int(policy.draft_lengths(request(b, 8)).max()) for b in range(32, 0, -1)]
+    assert longest == sorted(longest)  # nondecreasing as rows finish
+    assert longest[0] == 0 and longest[-1] >= 3
+
+
+def test_goodput_gives_rows_their_own_length_from_their_acceptance() -> None:
+    policy = GoodputPolicy(GoodputSettings(prior_weight=1.0), cost_model=FunctionCost(ragged_cost))
+    policy.reset(2)
+    for _ in range(30):  # row 0 accepts everything, row 1 nothing
+        policy.observe(feedback([0, 1], [4, 4], [4, 0]))
+    lengths = policy.draft_lengths(request(2, 4))
+    assert int(lengths[0]) > int(lengths[1])
+    assert policy.acceptance.mean(torch.tensor([0])) > 0.9 > 0.2 > policy.acceptance.mean(torch.tensor([1]))
+
+
+def test_goodput_caps_lengths_at_each_rows_remaining_budget() -> None:
+    policy = goodput_with_acceptance(0.9)
+    policy.reset(3)
+    lengths = policy.draft_lengths(request(1, 8, remaining=[3]))
+    assert lengths.tolist() == [2]
+    assert policy.draft_lengths(request(1, 8, remaining=[1])).tolist() == [0]
+
+
+def test_goodput_probes_after_a_long_plain_stretch_with_optimistic_acceptance() -> None:
+    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))  # pays only if acceptance > 0.8
+    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4), cost_model=cost)
+    policy.reset(1)
+    probed = [bool(policy.draft_lengths(request(1, 4)).max() > 0) for _ in range(8)]
+    assert probed == [False, False, False, True, False, False, False, True]
+    never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=0), cost_model=cost)
+    assert [int(never.draft_lengths(request(1, 4)).max()) for _ in range(8)] == [0] * 8
+
+
+def test_goodput_from_dynspec_config_and_json(tmp_path) -> None:
+    profile_path = tmp_path / "profile.json"
+    measured_profile().save(profile_path)
+    config = DynSpecConfig(
+        num_speculative_tokens=8,
+        policy="goodput",
+        policy_options={"cost_model": "profile", "profile": str(profile_path), "early_stop": {"threshold": 0.3}},
+    )
+    config_path = tmp_path / "dynspec.json"
+    config_path.write_text(json.dumps(config.to_dict()))
+    policy = build_policy(DynSpecConfig.from_json_file(config_path))
+    assert isinstance(policy, GoodputPolicy)
+    assert policy.stopper is not None and policy.stopper.threshold == 0.3
+    assert policy.cost_model.step_seconds(1, torch.tensor([0])) == pytest.approx(0.229)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cost_model": "magic"}, "`cost_model` must be one of"),
+        ({"cost_model": "profile"}, "needs `profile`"),
+        ({"prior_acceptance": 1.5}, "`prior_acceptance`"),
+        ({"prior_weight": 0}, "`prior_weight`"),
+        ({"acceptance_decay": 0}, "`acceptance_decay`"),
+        ({"window": 0}, "`window`"),
+        ({"tolerance": -1}, "`tolerance`"),
+        ({"probe_interval": -1}, "`probe_interval`"),
+        ({"min_gain": -0.1}, "`min_gain`"),
+        ({"early_stop": "yes"}, "`early_stop`"),
+        ({"early_stop": {"treshold": 0.3}}, r"Unknown `early_stop` option\(s\) \['treshold'\]"),
+        ({"speed": "fast"}, r"Unknown `goodput` policy option\(s\) \['speed'\]"),
+        ({"cost_model": "profile", "profile": "/nonexistent/profile.json"}, "does not exist"),
+    ],
+)
+def test_goodput_rejects_bad_options(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy(DynSpecConfig(policy="goodput", policy_options=options))
+
+
+# ---- batch_table ---------------------------------------------------------------------------------------------------
+def test_batch_table_loads_vllm_examples_unchanged() -> None:
+    eagle = BatchTablePolicy.from_vllm_config(json.loads(VLLM_EAGLE))
+    assert [eagle.length_for(b) for b in (1, 64, 65, 128, 129, 512)] == [3, 3, 1, 1, 0, 0]
+    assert eagle.ignored_keys == ["method", "model"]
+    eagle3 = BatchTablePolicy.from_vllm_config(VLLM_EAGLE3)  # JSON text, as given to --speculative-config
+    # k above num_speculative_tokens (5 and 4 in the example) is clamped to it, as vLLM does
+    assert [eagle3.length_for(b) for b in (1, 16, 17, 32, 33, 64, 65, 129)] == [3, 3, 3, 3, 3, 3, 1, 0]
+    assert [r.index for r in eagle3.clamped] == [0, 1]
+    assert eagle3.to_vllm_config("eagle3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B") == json.loads(VLLM_EAGLE3)
+
+
+def test_batch_table_from_file_and_dynspec_config(tmp_path) -> None:
+    path = tmp_path / "speculative.json"
+    path.write_text(VLLM_EAGLE)
+    from_path = build_policy(DynSpecConfig(num_speculative_tokens=3, policy="batch_table",
+                                           policy_options={"vllm_config": str(path)}))
+    inline = build_policy(DynSpecConfig(num_speculative_tokens=3, policy="batch_table",
+                                        policy_options=json.loads(VLLM_EAGLE)))
+    for policy in (from_path, inline):
+        assert policy.draft_lengths(request(100, 3)).tolist() == [1] * 100
+        assert policy.draft_lengths(request(2, 3)).tolist() == [3, 3]
+        assert policy.draft_lengths(request(2, 2)).tolist() == [2, 2]  # the loop's maximum caps the table
+
+
+def test_batch_table_outside_ranges_use_the_maximum_or_the_previous_range() -> None:
+    table = [[2, 4, 2], [8, 16, 0]]
+    default = BatchTablePolicy(5, table)
+    assert [default.length_for(b) for b in (1, 2, 5, 8, 17, 1000)] == [5, 2, 5, 0, 5, 5]
+    previous = BatchTablePolicy(5, table, outside_ranges="previous")
+    assert [previous.length_for(b) for b in (1, 2, 5, 8, 17, 1000)] == [5, 2, 2, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ([[1, 64, 3], [60, 128, 1]], r"entry 0 \(\[1, 64, 3\]\) and entry 1 \(\[60, 128, 1\]\) overlap at batch sizes 60..64"),
+        ([[129, 512, 0], [1, 200, 3]], r"entry 1 \(\[1, 200, 3\]\) and entry 0 \(\[129, 512, 0\]\) overlap"),
+        ([[1, 64, 3], [128, 65, 1]], r"entry 1 \(\[128, 65, 1\]\) is inverted: start_bs 128 > end_bs 65"),
+        ([[0, 4, 1]], r"entry 0 \(\[0, 4, 1\]\): start_bs must be >= 1"),
+        ([[1, 4, -1]], r"entry 0 \(\[1, 4, -1\]\): k must be >= 0"),
+        ([[1, 4]], r"entry 0 \(\[1, 4\]\) must be a list \[start_bs, end_bs, k\]"),
+        ([[1, 4, 1], [5, 8, 1.5]], r"entry 1 \(\[5, 8, 1.5\]\) must hold integers only"),
+        ([[1, 4, 1, 100, 2]], "5 items"),
+        ([], "non-empty list"),
+        ({"1": 3}, "non-empty list"),
+    ],
+)
+def test_batch_table_rejects_malformed_tables_naming_the_entry(table, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchTablePolicy(3, table)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"num_speculative_tokens": 3}, "lacks `num_speculative_tokens_per_batch_size`"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 2, 1]]}, "lacks `num_speculative_tokens`"),
+        ({"num_speculative_tokens": 0, "num_speculative_tokens_per_batch_size": [[1, 2, 1]]}, ">= 1"),
+        ({"method": 3, "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 2, 1]]},
+         "`method`.*must be a string"),
+        ("{not json", "Could not parse"),
+        ("/nonexistent/speculative.json", "does not exist"),
+        ([1, 2], "is a dict, a JSON file path or JSON text"),
+    ],
+)
+def test_batch_table_rejects_bad_vllm_configs(config, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchTablePolicy.from_vllm_config(config)
+
+
+def test_batch_table_builder_errors() -> None:
+    with pytest.raises(ValueError, match="needs vLLM's speculative config"):
+        build_policy(DynSpecConfig(policy="batch_table", policy_options={"table": [[1, 2, 3]]}))
+    with pytest.raises(ValueError, match=r"exceeds DynSpecConfig.num_speculative_tokens=2.*num_speculative_tokens=3"):
+        build_policy(DynSpecConfig(num_speculative_tokens=2, policy="batch_table", policy_options=json.loads(VLLM_EAGLE)))
+    with pytest.raises(ValueError, match="`outside_ranges` must be one of"):
+        build_policy(DynSpecConfig(num_speculative_tokens=3, policy="batch_table",
+                                   policy_options={"vllm_config": VLLM_EAGLE, "outside_ranges": "nearest"}))
+
+
+# ---- threshold -----------------------------------------------------------------------------------------------------
+def test_threshold_speculates_only_at_or_below_the_threshold() -> None:
+    policy = build_policy(DynSpecConfig(num_speculative_tokens=4, policy="threshold",
+                                        policy_options={"batch_size_threshold": 8}))
+    assert policy.draft_lengths(request(9, 4)).tolist() == [0] * 9
+    assert policy.draft_lengths(request(8, 4)).tolist() == [4] * 8
+    fixed = ThresholdPolicy(8, num_speculative_tokens=2)
+    assert fixed.draft_lengths(request(3, 4)).tolist() == [2, 2, 2]
+
+
+def test_threshold_rejects_bad_options() -> None:
+    with pytest.raises(ValueError, match="needs `policy_options=\\{'batch_size_threshold': N\\}`"):
+        build_policy(DynSpecConfig(policy="threshold"))
+    with pytest.raises(ValueError, match="`batch_size_threshold` must be an integer >= 0"):
+        ThresholdPolicy(-1)
+    with pytest.raises(ValueError, match="`num_speculative_tokens` must be an integer >= 0 or None"):
+        ThresholdPolicy(4, num_speculative_tokens=2.5)
+    with pytest.raises(ValueError, match=r"Unknown `policy_options` \['max_batch'\]"):
+        build_policy(DynSpecConfig(policy="threshold", policy_options={"max_batch": 4}))
+
+
+# ---- heuristic -----------------------------------------------------------------------------------------------------
+def transformers_heuristic(start: int, outcomes: list[tuple[int, int]]) -> list[int]:
+    """transformers' update_candidate_strategy on (candidates, matches) pairs; returns the count after each."""
+    counts, n = [], start
+    for candidates, matches in outcomes:
+        n = n + 2 if matches == candidates else max(1, n - 1)
+        counts.append(n)
+    return counts
+
+
+def test_heuristic_follows_transformers_rule_per_row_within_the_maximum() -> None:
+    policy = build_policy(DynSpecConfig(num_speculative_tokens=10, policy="heuristic",
+                                        policy_options={"initial_tokens": 3}))
+    policy.reset(2)
+    steps = [(1, 0), (1, 3), (0, 1), (0, 0), (0, 4), (0, 4)]  # accepted (row 0, row 1)
+    history = {0: [], 1: []}
+    for acc0, acc1 in steps:
+        lengths = policy.draft_lengths(request(2, 10))
+        policy.observe(feedback([0, 1], lengths.tolist(), [min(acc0, int(lengths[0])), min(acc1, int(lengths[1]))]))
+        for row, acc in ((0, acc0), (1, acc1)):
+            history[row].append((int(lengths[row]), min(acc, int(lengths[row]))))
+    for row in (0, 1):
+        assert policy.counts[row].item() == transformers_heuristic(3, history[row])[-1]
+    assert policy.counts[0].item() != policy.counts[1].item()
+
+
+def test_heuristic_starts_at_the_maximum_caps_there_and_resets_per_call() -> None:
+    policy = HeuristicPolicy()
+    policy.reset(1)
+    assert policy.draft_lengths(request(1, 4)).tolist() == [4]
+    policy.observe(feedback([0], [4], [4]))
+    assert policy.draft_lengths(request(1, 4)).tolist() == [4]  # +2 capped at the maximum
+    policy.observe(feedback([0], [4], [1]))
+    assert policy.draft_lengths(request(1, 4)).tolist() == [3]
+    policy.observe(feedback([0], [0], [0]))  # no draft tokens proposed: unchanged
+    assert policy.draft_lengths(request(1, 4)).tolist() == [3]
+    policy.reset(1)
+    assert policy.draft_lengths(request(1, 4)).tolist() == [4]
+    with pytest.raises(ValueError, match="`initial_tokens` must be an integer >= 1"):
+        HeuristicPolicy(0)
+
+
+# ---- confidence ----------------------------------------------------------------------------------------------------
+def test_confidence_stops_rows_below_the_threshold() -> None:
+    policy = build_policy(DynSpecConfig(num_speculative_tokens=5, policy="confidence",
+                                        policy_options={"threshold": 0.5, "adaptive": False}))
+    policy.reset(3)
+    assert policy.draft_lengths(request(3, 5)).tolist() == [5, 5, 5]
+    keep = policy.continue_drafting(torch.tensor([0, 1, 2]), 0, torch.tensor([0.9, 0.49, 0.5]))
+    assert keep.tolist() == [True, False, True]
+
+
+def test_confidence_threshold_adapts_to_the_roc_optimum() -> None:
+    policy = ConfidencePolicy(ConfidenceSettings(threshold=0.4, min_samples=6))
+    policy.reset(2)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        probs = torch.rand(2, 3, generator=generator, dtype=torch.float64)
+        for position in range(3):
+            policy.continue_drafting(torch.tensor([0, 1]), position, probs[:, position])
+        accepted = [int((probs[row] > 0.6).long().cumprod(0).sum()) for row in range(2)]
+        policy.observe(feedback([0, 1], [3, 3], accepted))
+    # accepted exactly when q > 0.6: the adapted threshold separates the two classes
+    assert 0.55 < policy.threshold <= 0.7
+
+
+def test_best_threshold_minimises_the_weighted_roc_cost() -> None:
+    generator = torch.Generator().manual_seed(2)
+    probs = torch.rand(60, generator=generator, dtype=torch.float64)
+    labels = (torch.rand(60, generator=generator, dtype=torch.float64) < probs).long()
+    chosen = best_threshold(probs.numpy(), labels.numpy(), 3.0)
+
+    def cost(threshold: float) -> float:
+        go = probs >= threshold
+        fpr = float((go & (labels == 0)).sum()) / float((labels == 0).sum())
+        fnr = float((~go & (labels == 1)).sum()) / float((labels == 1).sum())
+        return fpr + 3.0 * fnr
+
+    assert cost(chosen) == pytest.approx(min(cost(float(t)) for t in probs))
+
+
+def test_goodput_uses_the_confidence_stop_as_early_stop() -> None:
+    policy = GoodputPolicy(GoodputSettings(early_stop={"threshold": 0.5, "adaptive": False}),
+                           cost_model=FunctionCost(padded_cost))
+    policy.reset(2)
+    assert policy.continue_drafting(torch.tensor([0, 1]), 0, torch.tensor([0.2, 0.8])).tolist() == [False, True]
+    assert GoodputPolicy(cost_model=FunctionCost(padded_cost)).continue_drafting(
+        torch.tensor([0]), 0, torch.tensor([0.2])) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"threshold": 1.5}, "`threshold` must be a number in \\[0, 1\\]"),
+        ({"adaptive": "yes"}, "`adaptive` must be a bool"),
+        ({"window": 1}, "`window` must be an integer >= 2"),
+        ({"false_negative_cost": 0}, "`false_negative_cost`"),
+        ({"thresh": 0.2}, r"Unknown `policy_options` \['thresh'\]"),
+    ],
+)
+def test_confidence_rejects_bad_options(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy(DynSpecConfig(policy="confidence", policy_options=options))
+
+
+# ---- the acceptance estimator as used by the policy ------------------------------------------------------------------
+def test_new_rows_start_from_the_pooled_estimate() -> None:
+    estimator = AcceptanceEstimator(prior_acceptance=0.5, prior_weight=2.0, decay=1.0)
+    estimator.reset(2)
+    assert estimator.mean(torch.tensor([0, 1])).tolist() == [0.5, 0.5]
+    for _ in range(50):
+        estimator.update(torch.tensor([0]), torch.tensor([4]), torch.tensor([4]))
+    estimator.reset(3)  # a new generate call: rows are forgotten, the pooled estimate is not
+    assert float(estimator.mean(torch.tensor([2]))) > 0.95
+
+
+def test_padded_cost_model_prices_the_longest_draft() -> None:
+    model = PaddedCostModel(PiecewiseLinear.fit({1: (1.0, 1), 10: (2.0, 1)}), PiecewiseLinear.fit({1: (0.5, 1)}))
+    assert model.step_seconds(1, torch.tensor([0])) == pytest.approx(1.0)
+    assert model.step_seconds(2, torch.tensor([0, 4])) == pytest.approx(1.0 + 9 / 9 + 4 * 0.5)
+    candidates = torch.tensor([[0, 0], [0, 4], [4, 4]])
+    assert model.candidate_seconds(2, candidates).tolist() == pytest.approx([1.0 + 1 / 9, 4.0, 4.0])
