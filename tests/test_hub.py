@@ -132,6 +132,13 @@ def test_readme_lists_every_setting_with_type_default_and_help(exported: Path) -
         assert row in readme, f.name
 
 
+
+def test_readme_code_compiles(exported: Path) -> None:
+    blocks = re.findall(r"^```python\n(.*?)^```", (exported / "README.md").read_text(), re.DOTALL | re.MULTILINE)
+    assert len(blocks) == 2
+    for code in blocks:
+        compile(code, "README.md", "exec")
+
 # ---- generating through the folder ------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_folder_gives_the_tokens_of_the_direct_call(exported: Path, target, draft, batch_size: int) -> None:
