@@ -99,18 +99,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.LongT
     return ids, mask
 
 
-def trim(generated: torch.LongTensor, eos_ids: set[int], pad_id: int) -> list[list[int]]:
-    """Each row's new tokens: up to and including the first EOS, without trailing padding."""
+def trim(generated: torch.LongTensor, eos_ids: set[int], limits: Sequence[int] | None = None) -> list[list[int]]:
+    """Each row's new tokens: at most `limits[row]` of them, ending at the first EOS (included).
+
+    Whatever `generate` wrote after a row finished (padding) is dropped, even when the pad id is an EOS id.
+    """
     rows = []
-    for row in generated.tolist():
-        for index, token in enumerate(row):
-            if token in eos_ids:
-                row = row[: index + 1]
-                break
-        else:
-            while row and row[-1] == pad_id:
-                row.pop()
-        rows.append(row)
+    for index, row in enumerate(generated.tolist()):
+        if limits is not None:
+            row = row[: limits[index]]
+        end = next((i for i, token in enumerate(row) if token in eos_ids), None)
+        rows.append(row if end is None else row[: end + 1])
     return rows
 
 
@@ -203,7 +202,7 @@ class Runner:
         with torch.inference_mode():
             output = self._call(method, kwargs)
         outcome.seconds += time.perf_counter() - start
-        outcome.tokens.extend(trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, self.pad_id))
+        outcome.tokens.extend(trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, budgets))
         stats = getattr(output, "dynspec_stats", None)
         if stats is not None:
             self._record_stats(stats, outcome)

@@ -1,0 +1,216 @@
+"""The benchmark harness on tiny random models: methods, runner, comparisons with plain, report, plots, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import StoppingCriteriaList
+
+from hf_dynspec.commands import bench as bench_command
+from hf_dynspec.evaluation import bench, methods, plots, report, runner
+from hf_dynspec.evaluation.data import random_token_prompts
+from hf_dynspec.evaluation.methods import MethodError
+from hf_dynspec.evaluation.tiny import TINY_EOS, TINY_PAD, TINY_VOCAB, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(seed=0)
+
+
+# ---- methods --------------------------------------------------------------------------------------------------------
+def test_method_names_map_to_code_paths():
+    parsed = {m.name: m for m in methods.parse_methods("plain,hf-assisted,hf-heuristic,hf-prompt-lookup:7,"
+                                                        "dynspec-static:3,dynspec-table,dynspec-prompt-lookup")}
+    assert parsed["plain"].kind == "plain" and parsed["plain"].batched
+    assert parsed["hf-assisted"].uses_draft and not parsed["hf-assisted"].batched
+    assert parsed["hf-heuristic"].assistant_settings == {"num_assistant_tokens_schedule": "heuristic"}
+    assert parsed["hf-prompt-lookup:7"].generate_kwargs == {"prompt_lookup_num_tokens": 7}
+    assert not parsed["hf-prompt-lookup:7"].uses_draft
+    static = parsed["dynspec-static:3"].dynspec_config
+    assert (static.policy, static.num_speculative_tokens) == ("static", 3)
+    assert parsed["dynspec-table"].dynspec_config.policy == "batch_table"
+    lookup = parsed["dynspec-prompt-lookup"]
+    assert not lookup.uses_draft and lookup.generate_kwargs == {"prompt_lookup_num_tokens": 10}
+
+
+def test_policy_options_reach_the_config():
+    options = methods.parse_policy_options(["goodput.window=5", "table.vllm_config=t.json", "goodput.cost_model=online"])
+    assert options == {"goodput": {"window": 5, "cost_model": "online"}, "batch_table": {"vllm_config": "t.json"}}
+    method = methods.parse_method("dynspec-goodput", options)
+    assert method.dynspec_config.policy_options == {"window": 5, "cost_model": "online"}
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        ("plain,beam-search", "Unknown method"),
+        ("plain,dynspec-static:x", "positive integer"),
+        ("plain,hf-prompt-lookup:0", "positive integer"),
+        ("hf-assisted", "must include 'plain'"),
+        ("plain,plain", "twice"),
+    ],
+)
+def test_bad_method_lists_are_explained(names, message):
+    with pytest.raises(MethodError, match=message):
+        methods.parse_methods(names)
+
+
+def test_bad_policy_option_and_unknown_policy():
+    with pytest.raises(MethodError, match="POLICY.OPTION=VALUE"):
+        methods.parse_policy_options(["window=5"])
+    with pytest.raises(MethodError, match="not registered"):
+        methods.check_policies(methods.parse_methods("plain,dynspec-oracle"))
+
+
+# ---- runner ---------------------------------------------------------------------------------------------------------
+def test_left_pad_and_trim():
+    ids, mask = runner.left_pad([[5, 6], [7]], pad_id=0)
+    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
+    generated = torch.tensor([[3, 1, 4, 0], [3, 4, 1, 1], [3, 4, 5, 6]])
+    assert runner.trim(generated, eos_ids={1}) == [[3, 1], [3, 4, 1], [3, 4, 5, 6]]
+    assert runner.trim(generated, eos_ids={1}, limits=[4, 2, 3]) == [[3, 1], [3, 4], [3, 4, 5]]
+
+
+def test_row_budgets_stop_each_row_at_its_own_length(pair):
+    target, _ = pair
+    prompts = random_token_prompts(3, TINY_VOCAB, seed=3)
+    ids, mask = runner.left_pad(prompts, TINY_PAD)
+    budgets = [3, 12, 7]
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                          stopping_criteria=StoppingCriteriaList([runner.RowBudgets(ids, budgets)]))
+    generated = out[:, ids.shape[1]:]
+    checked = 0
+    for row, budget in enumerate(budgets):
+        if TINY_EOS not in generated[row, :budget].tolist():  # rows that did not stop at EOS stop at their budget
+            assert (generated[row, budget:] == TINY_PAD).all() and (generated[row, :budget] != TINY_PAD).any()
+            checked += 1
+    assert checked >= 2
+    with pytest.raises(ValueError, match="2 budgets for 3 prompts"):
+        runner.RowBudgets(ids, [1, 2])
+
+
+def test_runner_counts_forwards_and_matches_plain(pair):
+    target, draft = pair
+    run = runner.Runner(target, draft, max_new_tokens=12)
+    prompts = random_token_prompts(3, TINY_VOCAB, seed=4)
+    plain = run.run(methods.parse_method("plain"), prompts, batch_size=3, progress=False)
+    static = methods.parse_method("dynspec-static:3")
+    spec = run.run(static, prompts, batch_size=3, progress=False)
+    assisted = run.run(methods.parse_method("hf-assisted"), prompts, batch_size=3, progress=False)
+    run.close()
+    assert spec.tokens == plain.tokens == assisted.tokens
+    assert plain.target_forwards == max(len(row) for row in plain.tokens)  # one forward per step, batched
+    assert plain.mean_accepted(methods.parse_method("plain")) is None
+    assert spec.draft_forwards > 0 and sum(spec.accepted.values()) > 0 and spec.steps
+    assert assisted.target_forwards >= 3  # rows ran one at a time
+
+
+def test_runner_refuses_draft_methods_without_a_draft(pair):
+    run = runner.Runner(pair[0], None, max_new_tokens=4)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        run.run(methods.parse_method("hf-assisted"), [[5, 6]], batch_size=1, progress=False)
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------------------
+def test_long_tail_budgets_shape():
+    budgets = bench.long_tail_budgets(32, 128, seed=0)
+    assert budgets == bench.long_tail_budgets(32, 128, seed=0)
+    assert budgets[0] == 128 and all(8 <= b <= 128 for b in budgets)
+    assert sorted(budgets)[16] < 64  # most rows are short
+
+
+def test_compare_counts_prompts_and_tokens():
+    assert bench.compare([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6, 7]]) == (1, 2)
+    assert bench.compare([[1]], [[1]]) == (0, 0)
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="output_lengths"):
+        bench.BenchSettings(output_lengths="random")
+    with pytest.raises(ValueError, match="batch_sizes"):
+        bench.BenchSettings(batch_sizes=[0])
+    with pytest.raises(ValueError, match="repetitions"):
+        bench.BenchSettings(repetitions=0)
+
+
+def test_tiny_benchmark_end_to_end(pair, tmp_path):
+    settings = bench.BenchSettings(
+        tiny=True,
+        num_prompts=4,
+        batch_sizes=[1, 4],
+        batch_size_prompts={1: 2},
+        max_new_tokens=10,
+        methods="dynspec-static:3,plain,hf-assisted,hf-prompt-lookup,dynspec-goodput",
+        repetitions=2,
+        warmup_tokens=2,
+    )
+    prompts = random_token_prompts(4, TINY_VOCAB, seed=5)
+    results = bench.run_benchmark(settings, target=pair[0], draft=pair[1], prompts=prompts, progress=False)
+    assert set(results) == {"machine", "config", "runs", "traces"}
+    runs = {(r["method"], r["batch_size"]): r for r in results["runs"]}
+    assert len(runs) == 10
+    assert runs[("plain", 1)]["num_prompts"] == 2 and runs[("plain", 4)]["num_prompts"] == 4
+    for (name, _), run in runs.items():
+        assert run["matches_plain"] is (None if name == "plain" else True)
+        assert len(run["wall_s_repetitions"]) == 2 and run["tokens_per_s"] > 0
+    assert runs[("hf-assisted", 4)]["rows_one_at_a_time"] and not runs[("hf-assisted", 1)]["rows_one_at_a_time"]
+    assert {(t["method"], t["batch_size"]) for t in results["traces"]} == {
+        ("dynspec-static:3", 1), ("dynspec-static:3", 4), ("dynspec-goodput", 1), ("dynspec-goodput", 4)
+    }
+    json.dumps(results)  # the results file must be plain JSON
+    table = report.markdown_table(results)
+    assert "| 4 | hf-assisted † |" in table and "ran one at a time" in table
+    for path in plots.write_plots(results, tmp_path / "plots"):
+        assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_long_tail_run_matches_plain(pair):
+    settings = bench.BenchSettings(
+        tiny=True, num_prompts=6, batch_sizes=[6], max_new_tokens=24, output_lengths="long-tail",
+        methods="plain,dynspec-static:3", repetitions=1, warmup_tokens=0,
+    )
+    prompts = random_token_prompts(6, TINY_VOCAB, seed=6)
+    results = bench.run_benchmark(settings, target=pair[0], draft=pair[1], prompts=prompts, progress=False)
+    assert all(r["matches_plain"] in (None, True) for r in results["runs"])
+    assert results["config"]["row_budgets"] == bench.long_tail_budgets(6, 24, 0)
+    sizes = [s["batch_size"] for s in results["traces"][0]["steps"]]
+    assert sizes[0] == 6 and sizes[-1] < 6  # the batch shrinks as rows finish
+
+
+# ---- command line ---------------------------------------------------------------------------------------------------
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    bench_command.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_scenario_presets_and_overrides():
+    settings = bench_command.settings_from_args(_parse(["--scenario", "long-tail", "--max-new-tokens", "64"]))
+    assert settings.output_lengths == "long-tail" and settings.batch_sizes == [32] and settings.max_new_tokens == 64
+    settings = bench_command.settings_from_args(
+        _parse(["--batch-sizes", "2,8", "--batch-size-prompts", "2=1", "--policy-option", "goodput.window=3"])
+    )
+    assert settings.batch_sizes == [2, 8] and settings.prompts_for(2) == 1 and settings.prompts_for(8) == 16
+    assert settings.policy_options == {"goodput": {"window": 3}}
+
+
+def test_command_line_errors(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--batch-sizes", "1,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="must include 'plain'"):
+        bench_command.run(_parse(["--tiny", "--methods", "hf-assisted"]))
+
+
+def test_command_runs_tiny_and_writes_files(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--tiny", "--methods", "plain,dynspec-static:2", "--batch-sizes", "2", "--num-prompts", "2",
+            "--max-new-tokens", "6", "--repetitions", "1", "--out", str(out), "--plots", str(tmp_path / "p"), "--quiet"]
+    assert bench_command.run(_parse(argv)) == 0
+    assert "| 2 | dynspec-static:2 |" in capsys.readouterr().out
+    assert json.loads(out.read_text())["runs"][1]["matches_plain"] is True
+    assert (tmp_path / "p" / "speedup.png").is_file()

@@ -1,0 +1,113 @@
+"""Prompt sources: JSON array streaming, ShareGPT first turns, JSONL files, HumanEval, tokenising."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from hf_dynspec.evaluation import data
+from hf_dynspec.evaluation.data import Prompt, PromptSourceError
+
+
+def test_json_array_stream_stops_at_a_truncated_record():
+    text = json.dumps([{"a": i, "text": "x" * 50} for i in range(5)])
+    cut = text[: text.rindex('{"a": 4') + 10]  # the last record is cut off mid-way
+    values = list(data.iter_json_array(io.StringIO(cut), read_size=7))
+    assert [v["a"] for v in values] == [0, 1, 2, 3]
+    assert [v["a"] for v in data.iter_json_array(io.StringIO(text), read_size=7)] == [0, 1, 2, 3, 4]
+
+
+def test_json_array_stream_needs_an_array():
+    with pytest.raises(PromptSourceError, match="JSON array"):
+        list(data.iter_json_array(io.StringIO('{"a": 1}')))
+
+
+def test_sharegpt_takes_first_human_turns(tmp_path):
+    records = [
+        {"id": "a", "conversations": [{"from": "gpt", "value": "starts with the model"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "hello?"}, {"from": "gpt", "value": "hi"}]},
+        {"id": "c", "conversations": []},
+        {"id": "d", "conversations": [{"from": "human", "value": "  "}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "second"}]},
+    ]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(records, indent=2))
+    prompts = data.sharegpt_prompts(10, path)
+    assert [p.messages for p in prompts] == [
+        [{"role": "user", "content": "hello?"}],
+        [{"role": "user", "content": "second"}],
+    ]
+    assert all(p.task == "chat" for p in prompts)
+    assert len(data.sharegpt_prompts(1, path)) == 1
+
+
+def test_jsonl_prompts_read_messages_and_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    lines = [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "def f():"}]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    prompts = data.load_prompts(str(path), 5)
+    assert prompts == [Prompt(messages=[{"role": "user", "content": "hi"}], task="chat"), Prompt(text="def f():")]
+
+
+def test_jsonl_line_without_prompt_is_an_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    with pytest.raises(PromptSourceError, match="line 2"):
+        data.jsonl_prompts(path)
+
+
+def test_unknown_sources_are_errors(tmp_path):
+    with pytest.raises(PromptSourceError, match="Unknown dataset"):
+        data.load_prompts("wikipedia", 3)
+    with pytest.raises(PromptSourceError, match="does not exist"):
+        data.load_prompts(str(tmp_path / "none.jsonl"), 3)
+    with pytest.raises(PromptSourceError, match="at least 1"):
+        data.load_prompts("humaneval", 0)
+    with pytest.raises(PromptSourceError, match="exactly one"):
+        Prompt()
+
+
+def test_humaneval_prompts_are_code():
+    prompts = data.load_prompts("humaneval", 500)
+    assert len(prompts) == 164
+    assert prompts[0].task == "code" and "def " in prompts[0].text
+
+
+def test_missing_package_names_the_pip_command():
+    with pytest.raises(PromptSourceError, match="pip install not-a-package"):
+        data.package_file("not_a_real_module_xyz", "data/x.json", "not-a-package")
+
+
+class _ChatTokenizer:
+    """Enough of a tokenizer: one id per character, a chat template that wraps the user text."""
+
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "<u>" + messages[0]["content"] + "<a>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_encode_applies_the_chat_template_and_drops_long_prompts():
+    prompts = [Prompt(text="ab"), Prompt(messages=[{"role": "user", "content": "c"}]), Prompt(text="x" * 50)]
+    encoded = data.encode(prompts, _ChatTokenizer(), max_prompt_tokens=10)
+    assert encoded == [[97, 98], [ord(c) for c in "<u>c<a>"]]
+
+
+def test_encode_chat_without_template_is_an_error():
+    tokenizer = _ChatTokenizer()
+    tokenizer.chat_template = None
+    with pytest.raises(PromptSourceError, match="chat template"):
+        data.encode([Prompt(messages=[{"role": "user", "content": "c"}])], tokenizer)
+
+
+def test_random_token_prompts_are_seeded_and_in_range():
+    first = data.random_token_prompts(6, 50, min_length=3, max_length=5, seed=1)
+    assert first == data.random_token_prompts(6, 50, min_length=3, max_length=5, seed=1)
+    assert all(3 <= len(p) <= 5 and all(2 <= t < 50 for t in p) for p in first)
+    with pytest.raises(PromptSourceError, match="min_length"):
+        data.random_token_prompts(2, 50, min_length=6, max_length=5)
