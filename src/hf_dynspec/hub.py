@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import pprint
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +128,15 @@ def render_requirements() -> str:
 
 def render_generate_py(config: DynSpecConfig | None) -> str:
     """Contents of `custom_generate/generate.py` with `config` baked in as `SETTINGS`."""
-    settings = "None" if config is None else pprint.pformat(config.to_dict(), indent=4, width=100, sort_dicts=False)
-    return GENERATE_PY_TEMPLATE.replace("{settings}", settings)
+    return GENERATE_PY_TEMPLATE.replace("{settings}", _python_literal(config))
+
+
+def _python_literal(config: DynSpecConfig | None) -> str:
+    """`config.to_dict()` as Python source, one setting per line (`None` without a config)."""
+    if config is None:
+        return "None"
+    lines = [f"    {name!r}: {value!r}," for name, value in config.to_dict().items()]
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
 GENERATE_PY_TEMPLATE = '''"""Batched, lossless, load-aware speculative decoding with hf_dynspec, as a transformers `custom_generate` method.
