@@ -16,7 +16,7 @@ from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.prompt_lookup import PromptLookupProposer
 from .config import DynSpecConfig
-from .placement import Placement
+from .placement import Placement, logits_kwargs
 from .policies import DraftLengthPolicy, PolicyInput, StepFeedback, build_policy
 from .processors import process_logits
 from .sequences import TokenBatch
@@ -227,7 +227,7 @@ class _Run:
             position_ids=to_target(positions),
             past_key_values=self.target_cache.cache,
             use_cache=True,
-            logits_to_keep=keep,
+            **logits_kwargs(self.model, keep),
         )
         self.stats.target_forwards += 1
         return self.placement.logits_to_loop(output.logits[:, -keep:])

@@ -14,6 +14,11 @@ import torch
 from transformers import PreTrainedModel
 
 
+def logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, int]:
+    """`{"logits_to_keep": keep}` when the model's forward accepts it (it then computes only the last logits)."""
+    return {"logits_to_keep": keep} if model._supports_logits_to_keep() else {}
+
+
 def input_device(model: PreTrainedModel) -> torch.device:
     """The device a model's input ids must be on (its input embeddings' device, which works for device maps)."""
     return model.get_input_embeddings().weight.device

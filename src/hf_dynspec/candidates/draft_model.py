@@ -9,7 +9,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import RaggedCache, check_cache_supported
 from ..config import DynSpecConfig
-from ..placement import Placement
+from ..placement import Placement, logits_kwargs
 from ..processors import process_logits
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
@@ -106,7 +106,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             position_ids=to_draft(positions),
             past_key_values=self.ragged.cache,
             use_cache=True,
-            logits_to_keep=1,
+            **logits_kwargs(self.draft_model, 1),
         )
         self.forwards += 1
         return self.placement.logits_to_loop(output.logits[:, -1])
