@@ -290,7 +290,7 @@ README_COMPATIBILITY = """## Model compatibility
   `prompt_lookup_num_tokens=` to draft from n-grams of the prompt.
 - Batches of any size; they must be left-padded (`tokenizer.padding_side = "left"`).
 - Greedy decoding and sampling (`do_sample=True`, with temperature, top-k, top-p and other logits processors), EOS,
-  stop strings and custom stopping criteria, streamers (first row). Not supported: beam search,
+  stop strings and custom stopping criteria, streamers (at batch size 1). Not supported: beam search,
   `num_return_sequences > 1`, `output_scores`, `output_logits`, `output_attentions`, `output_hidden_states`.
 - Requires the `hf-dynspec` package (see `custom_generate/requirements.txt`; transformers checks it before running
   the code)."""
@@ -312,8 +312,8 @@ Settings of `DynSpecConfig`:
 README_OUTPUT = """## Output Type changes
 
 - Without `return_dict_in_generate=True` the output is the usual `torch.LongTensor` of sequences.
-- With `return_dict_in_generate=True` the output is a `GenerateDecoderOnlyOutput` with one extra field,
-  `dynspec_stats`: totals and per-step records (draft lengths, accepted tokens, timings) of the call.
+- With `return_dict_in_generate=True` the output is a `DynSpecOutput`, a `GenerateDecoderOnlyOutput` with one extra
+  field, `dynspec_stats`: totals and per-step records (draft lengths, accepted tokens, timings) of the call.
   `past_key_values` is `None`: the loop's caches are not meant to be reused."""
 
 README_TRUST = """## Why `trust_remote_code=True` is required
