@@ -313,3 +313,9 @@ def test_output_path_that_is_a_file_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(HubExportError, match="is a file; give a directory"):
         export_hub(tmp_path / "file")
+
+
+def test_unreadable_installed_version_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hf_dynspec.hub.importlib.metadata.version", lambda name: "unknown")
+    with pytest.raises(HubExportError, match="Cannot read a release number from the installed hf-dynspec 'unknown'"):
+        requirement_line()

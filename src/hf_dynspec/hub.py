@@ -18,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import re
 from pathlib import Path
 from typing import Any
-
-from packaging.version import Version
 
 from .config import GENERATION_CONFIG_KEY, DynSpecConfig
 
@@ -117,8 +116,11 @@ def _write(result: ExportResult, path: Path, text: str) -> None:
 
 def requirement_line() -> str:
     """`hf-dynspec>=X.Y.Z`: the installed release, which the exported code and settings format need."""
-    installed = Version(importlib.metadata.version(DISTRIBUTION_NAME))
-    return f"{DISTRIBUTION_NAME}>={installed.base_version}"
+    installed = importlib.metadata.version(DISTRIBUTION_NAME)
+    release = re.match(r"\d+(\.\d+)*", installed)  # transformers' check accepts digits and dots only
+    if release is None:
+        raise HubExportError(f"Cannot read a release number from the installed {DISTRIBUTION_NAME} {installed!r}.")
+    return f"{DISTRIBUTION_NAME}>={release.group(0)}"
 
 
 def render_requirements() -> str:
