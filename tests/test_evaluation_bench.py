@@ -214,3 +214,31 @@ def test_command_runs_tiny_and_writes_files(tmp_path, capsys):
     assert "| 2 | dynspec-static:2 |" in capsys.readouterr().out
     assert json.loads(out.read_text())["runs"][1]["matches_plain"] is True
     assert (tmp_path / "p" / "speedup.png").is_file()
+
+
+# ---- batch tables ---------------------------------------------------------------------------------------------------
+def test_table_options_from_a_vllm_config_or_a_profile(tmp_path):
+    from hf_dynspec.estimators import DraftTiming, Profile, TargetTiming
+    from hf_dynspec.policies import build_policy
+
+    table = {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 64, 1]]}
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    options = methods.table_policy_options(tmp_path / "table.json")
+    method = methods.parse_method("dynspec-table", {"batch_table": options})
+    assert options == table and method.dynspec_config.num_speculative_tokens == 3
+    build_policy(method.dynspec_config)  # the policy accepts what the harness passes
+
+    # a profile where drafting is cheap at batch 1 and costly beyond: the derived table drafts at batch 1 only
+    target = [TargetTiming(b, t, 0.01 * b * t + 0.05) for b in (1, 4, 16) for t in (1, 2, 3, 5)]
+    Profile(target_forward=target, draft_forward=[DraftTiming(b, 0.002 * b) for b in (1, 4, 16)]).save(tmp_path / "p.json")
+    derived = methods.table_policy_options(tmp_path / "p.json", acceptance=0.8, num_speculative_tokens=4)
+    schedule = derived["num_speculative_tokens_per_batch_size"]
+    assert schedule[0][0] == 1 and schedule[0][2] > 0 and schedule[-1][1] == 256
+
+
+def test_table_file_errors(tmp_path):
+    with pytest.raises(MethodError, match="does not exist"):
+        methods.table_policy_options(tmp_path / "none.json")
+    (tmp_path / "x.json").write_text(json.dumps({"something": 1}))
+    with pytest.raises(MethodError, match="neither a vLLM speculative config"):
+        methods.table_policy_options(tmp_path / "x.json")

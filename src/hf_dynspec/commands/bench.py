@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from ..evaluation.bench import OUTPUT_LENGTHS, SCENARIOS, BenchSettings
-from ..evaluation.methods import MethodError, parse_policy_options
+from ..evaluation.methods import MethodError, parse_policy_options, table_policy_options
 from ..evaluation.models import DEFAULT_DRAFT, DEFAULT_TARGET, describe_registry
 
 
@@ -59,6 +59,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--methods", help="Comma-separated; see `hf_dynspec.evaluation.methods` for the names.")
     parser.add_argument("--policy-option", action="append", metavar="POLICY.OPTION=VALUE",
                         help="Option of a dynspec policy, e.g. batch_table.table=table.json (repeatable).")
+    parser.add_argument("--table", type=Path,
+                        help="For dynspec-table: a vLLM speculative config with a batch-size table, or a calibration "
+                             "profile (hf-dynspec calibrate) to derive the table from.")
+    parser.add_argument("--table-acceptance", type=float, default=0.7,
+                        help="Acceptance rate assumed when deriving the table from a profile.")
     parser.add_argument("--output-lengths", choices=OUTPUT_LENGTHS,
                         help="eos: rows stop at EOS; long-tail: each row also gets its own long-tailed budget.")
     parser.add_argument("--repetitions", type=int, default=2)
@@ -81,10 +86,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         value = getattr(args, key)
         if value is not None:
             preset[key] = value
+    policy_options = parse_policy_options(args.policy_option)
+    if args.table is not None:
+        policy_options["batch_table"] = table_policy_options(args.table, args.table_acceptance)
     return BenchSettings(
         target=args.target,
         draft=args.draft,
-        policy_options=parse_policy_options(args.policy_option),
+        policy_options=policy_options,
         repetitions=args.repetitions,
         warmup_tokens=args.warmup_tokens,
         do_sample=args.do_sample,

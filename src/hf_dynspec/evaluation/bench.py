@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .methods import Method, check_policies, parse_methods
+from .runner import Outcome, Runner
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "fixed": dict(
@@ -140,7 +141,7 @@ def machine_description() -> dict[str, Any]:
 @dataclass
 class _Measured:
     seconds: list[float] = field(default_factory=list)
-    outcome: Any = None
+    outcomes: list[Outcome] = field(default_factory=list)  # one per repetition
     mismatched_prompts: int = 0
     mismatched_tokens: int = 0
 
@@ -168,7 +169,6 @@ def run_benchmark(
     Models and prompt token ids are loaded from `settings` unless given. Methods run interleaved (the order rotates
     every repetition) so drift in machine speed hits all alike; each (method, batch size) is warmed up once.
     """
-    from .runner import Runner
 
     methods = parse_methods(settings.methods, settings.policy_options)
     check_policies(methods)
@@ -177,31 +177,34 @@ def run_benchmark(
         target, draft = target or loaded_target, draft or loaded_draft
         prompts = prompts if prompts is not None else loaded_prompts
     runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed)
-    budgets = long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed) if settings.output_lengths == "long-tail" else None
-    measured: dict[tuple[str, int], _Measured] = {}
-    jobs = [(rep, b, m) for rep in range(settings.repetitions) for b in settings.batch_sizes for m in _rotated(methods, rep)]
+    budgets = (
+        long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
+        if settings.output_lengths == "long-tail"
+        else None
+    )
+    measured: dict[tuple[str, int], _Measured] = {(m.name, b): _Measured() for b in settings.batch_sizes for m in methods}
     try:
         _warm_up(runner, methods, settings, prompts, budgets, progress)
-        for _rep, batch_size, method in tqdm(jobs, desc="benchmark", disable=not progress):
-            count = settings.prompts_for(batch_size)
-            outcome = runner.run(method, prompts[:count], batch_size, budgets[:count] if budgets else None, progress=progress)
-            entry = measured.setdefault((method.name, batch_size), _Measured())
+        jobs = _schedule(methods, settings)
+        current: dict[tuple[str, int, int], Outcome] = {}
+        for rep, batch_size, chunk, method in tqdm(jobs, desc="benchmark", disable=not progress):
+            part = runner.run(
+                method, prompts[chunk], batch_size, budgets[chunk] if budgets else None, progress=False
+            )
+            key = (method.name, batch_size, rep)
+            current.setdefault(key, Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)).extend(part)
+        for (name, batch_size, _rep), outcome in current.items():
+            entry = measured[(name, batch_size)]
             entry.seconds.append(outcome.seconds)
-            entry.outcome = outcome
-            reference = measured.get(("plain", batch_size))
-            if method.kind != "plain" and reference is not None and reference.outcome is not None:
-                wrong_prompts, wrong_tokens = compare(outcome.tokens, reference.outcome.tokens)
-                entry.mismatched_prompts = max(entry.mismatched_prompts, wrong_prompts)
-                entry.mismatched_tokens = max(entry.mismatched_tokens, wrong_tokens)
-        # methods that ran before plain in the first repetition are compared with it now
-        for (name, batch_size), entry in measured.items():
-            plain = measured[("plain", batch_size)].outcome
-            if name != "plain":
-                wrong_prompts, wrong_tokens = compare(entry.outcome.tokens, plain.tokens)
-                entry.mismatched_prompts = max(entry.mismatched_prompts, wrong_prompts)
-                entry.mismatched_tokens = max(entry.mismatched_tokens, wrong_tokens)
+            entry.outcomes.append(outcome)
     finally:
         runner.close()
+    for (name, batch_size), entry in measured.items():
+        if name != "plain":
+            reference = measured[("plain", batch_size)].outcomes
+            errors = [compare(o.tokens, ref.tokens) for o, ref in zip(entry.outcomes, reference)]
+            entry.mismatched_prompts = max(e[0] for e in errors)
+            entry.mismatched_tokens = max(e[1] for e in errors)
     return {
         "machine": machine_description(),
         "config": _config_dict(settings, prompts, budgets),
@@ -215,19 +218,38 @@ def _rotated(methods: list[Method], shift: int) -> list[Method]:
     return methods[shift:] + methods[:shift]
 
 
+def _schedule(methods: list[Method], settings: BenchSettings) -> list[tuple[int, int, slice, Method]]:
+    """`(repetition, batch size, prompt slice, method)` in run order.
+
+    Methods are interleaved batch by batch (every method runs on one batch of prompts before the next batch starts),
+    and the method order rotates from batch to batch, so slow phases of a shared machine hit every method alike.
+    """
+    jobs = []
+    turn = 0
+    for rep in range(settings.repetitions):
+        for batch_size in settings.batch_sizes:
+            count = settings.prompts_for(batch_size)
+            for start in range(0, count, batch_size):
+                chunk = slice(start, min(start + batch_size, count))
+                jobs.extend((rep, batch_size, chunk, method) for method in _rotated(methods, turn))
+                turn += 1
+    return jobs
+
+
 def _warm_up(runner, methods: list[Method], settings: BenchSettings, prompts, budgets, progress: bool) -> None:
-    """One short run of every (method, batch size) on the first batch, untimed."""
+    """One short untimed run of every (method, batch size) on the first prompts (at most 2: on a CPU the first call's
+    one-off costs do not depend on the batch, and a full batch's prefill would only cost time)."""
     if settings.warmup_tokens < 1:
         return
     pairs = [(m, b) for b in settings.batch_sizes for m in methods]
     for method, batch_size in tqdm(pairs, desc="warm-up", leave=False, disable=not progress):
-        count = min(batch_size, settings.prompts_for(batch_size))
+        count = min(2, batch_size, settings.prompts_for(batch_size))
         runner.run(method, prompts[:count], batch_size, budgets[:count] if budgets else None,
                    max_new_tokens=settings.warmup_tokens, progress=False)
 
 
 def _run_record(method: Method, batch_size: int, entry: _Measured, settings: BenchSettings) -> dict[str, Any]:
-    outcome = entry.outcome
+    outcome = entry.outcomes[-1]
     wall = statistics.median(entry.seconds)
     return {
         "method": method.name,
@@ -248,7 +270,7 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
 
 
 def _trace(method: Method, batch_size: int, entry: _Measured) -> dict[str, Any]:
-    outcome = entry.outcome
+    outcome = entry.outcomes[-1]
     return {
         "method": method.name,
         "batch_size": batch_size,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ..config import DynSpecConfig
@@ -80,6 +81,8 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
         settings: dict[str, Any] = {"policy": policy, "policy_options": options}
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
+        elif policy == "batch_table" and isinstance(options.get("num_speculative_tokens"), int):
+            settings["num_speculative_tokens"] = options["num_speculative_tokens"]  # the table's own maximum
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], "
@@ -128,3 +131,25 @@ def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
             parsed = value
         options.setdefault(POLICY_ALIASES.get(policy, policy), {})[option] = parsed
     return options
+
+
+def table_policy_options(path: str | Path, acceptance: float = 0.7, num_speculative_tokens: int = 4) -> dict[str, Any]:
+    """`batch_table` policy options from a JSON file: a vLLM speculative config with a batch-size table, or a
+    calibration profile (`hf-dynspec calibrate`), from which the table is derived for the given acceptance rate."""
+    from ..calibration import vllm_speculative_config
+    from ..estimators import Profile
+    from ..policies.batch_table import SCHEDULE_KEY
+
+    path = Path(path)
+    if not path.is_file():
+        raise MethodError(f"Table file {str(path)!r} does not exist; give a vLLM speculative config or a profile.")
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and SCHEDULE_KEY in data:
+        return data
+    try:
+        profile = Profile.from_dict(data)
+    except ValueError as error:
+        raise MethodError(
+            f"{path} is neither a vLLM speculative config (with {SCHEDULE_KEY!r}) nor a calibration profile: {error}"
+        ) from error
+    return vllm_speculative_config(profile, acceptance, num_speculative_tokens, max_batch_size=256)

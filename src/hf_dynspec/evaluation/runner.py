@@ -53,6 +53,15 @@ class Outcome:
     def new_tokens(self) -> int:
         return sum(len(row) for row in self.tokens)
 
+    def extend(self, other: Outcome) -> None:
+        """Append `other` (the same method on the next prompts) to this outcome."""
+        self.tokens.extend(other.tokens)
+        self.seconds += other.seconds
+        self.target_forwards += other.target_forwards
+        self.draft_forwards += other.draft_forwards
+        self.accepted.update(other.accepted)
+        self.steps.extend(other.steps)
+
     def mean_accepted(self, method: Method) -> float | None:
         """Mean accepted draft tokens per verification.
 
