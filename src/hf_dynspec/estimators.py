@@ -15,7 +15,7 @@ verifies `N = batch * (1 + K)` tokens (`K = 0` is a plain decoding step and the 
 
 `verify` is piecewise linear in `N`, the number of tokens the target processes, and `draft` (one draft forward) is
 piecewise linear in the batch size. `ProfileCostModel` builds both from a saved calibration [`Profile`];
-`OnlineCostModel` learns them from the loop's own timings (median of a window per knot, made nondecreasing by
+`OnlineCostModel` learns them from the loop's own timings (the fastest recent sample per knot, made nondecreasing by
 isotonic regression) and asks the policy to measure the points it lacks.
 """
 
@@ -249,9 +249,15 @@ class OnlineCostModel(PaddedCostModel):
 
     Knots: every distinct number of target tokens `N` seen in a verify forward, and every batch size seen in a step
     that drafted (its draft seconds divided by the number of draft forwards). Each knot keeps its last `window`
-    samples and is worth their median; the knots are then made nondecreasing by weighted isotonic regression. So a
-    single slow step (another process on the machine, the draft catching up after plain steps) moves nothing, and a
-    lasting change (longer KV caches) replaces the old samples within `window` visits.
+    samples and is worth the fastest of them: on a shared machine interference only ever slows a step down, so the
+    fastest recent run is the best estimate of what the step costs (the advice of Python's `timeit`); with
+    symmetric noise this reads every knot a little low, which largely cancels in the comparisons between lengths
+    that the policy makes. A knot with fewer than `confirm_samples` samples is provisional: it is worth
+    at most what the confirmed knots predict there. That is optimism where evidence is thin: one slow step (another
+    process on the machine, the draft catching up after plain steps) cannot make a length look expensive and be
+    avoided for good; if the length really is expensive, choosing it again adds samples until the knot is
+    confirmed at its true cost. The knots are then made nondecreasing by isotonic regression weighted by sample
+    counts. A lasting change (longer KV caches) replaces a knot's old samples within `window` visits.
 
     Exploration: before the knots bracket the current batch size (a knot near or below `N = b`, one near or above
     `N = b * (1 + max)`), `exploration_length` asks for a plain step or a maximal one; afterwards, every
@@ -265,9 +271,11 @@ class OnlineCostModel(PaddedCostModel):
         tolerance: float = 0.25,
         explore_interval: int = 16,
         warmup_steps: int = 1,
+        confirm_samples: int = 3,
         profile: Profile | None = None,
     ) -> None:
         check_int("window", window, 1)
+        check_int("confirm_samples", confirm_samples, 1)
         check_positive("tolerance", tolerance)
         check_int("explore_interval", explore_interval, 1)
         check_int("warmup_steps", warmup_steps, 0)
@@ -276,6 +284,7 @@ class OnlineCostModel(PaddedCostModel):
         self.tolerance = float(tolerance)
         self.explore_interval = explore_interval
         self.warmup_steps = warmup_steps
+        self.confirm_samples = confirm_samples
         self.verify_samples: dict[int, deque[float]] = {}
         self.draft_samples: dict[int, deque[float]] = {}
         self.steps_observed = 0
@@ -320,13 +329,29 @@ class OnlineCostModel(PaddedCostModel):
         samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def _refit(self) -> None:
-        self.verify = PiecewiseLinear.fit(_medians(self.verify_samples))
-        self.draft = PiecewiseLinear.fit(_medians(self.draft_samples))
+        self.verify = self._fit(self.verify_samples)
+        self.draft = self._fit(self.draft_samples)
+
+    def _fit(self, samples: dict[int, deque[float]]) -> PiecewiseLinear | None:
+        """Fastest sample per knot; provisional knots capped at what the confirmed knots predict; isotonic fit."""
+        points = _fastest(samples)
+        base = PiecewiseLinear.fit({x: p for x, p in points.items() if p[1] >= self.confirm_samples})
+        provisional = [x for x, (_, count) in points.items() if count < self.confirm_samples]
+        if base is not None and provisional:
+            caps = base(np.array(provisional, dtype=np.float64))
+            for x, cap in zip(provisional, caps.tolist()):
+                points[x] = (min(points[x][0], cap), points[x][1])
+        return PiecewiseLinear.fit(points)
 
 
 def _medians(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:
     """`{key: (median, number of samples)}` of `{key: samples}`."""
     return {key: (float(np.median(list(values))), len(values)) for key, values in samples.items() if len(values)}
+
+
+def _fastest(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:
+    """`{key: (minimum, number of samples)}` of `{key: samples}`."""
+    return {key: (float(min(values)), len(values)) for key, values in samples.items() if len(values)}
 
 
 # ---- calibration profiles ------------------------------------------------------------------------------------------

@@ -138,6 +138,9 @@ class GoodputSettings:
     )
     explore_interval: int = field(default=16, metadata={"help": "Online costs: steps between gap measurements."})
     warmup_steps: int = field(default=1, metadata={"help": "Online costs: first observed steps to ignore."})
+    confirm_samples: int = field(
+        default=3, metadata={"help": "Online costs: samples before a knot between measured ones is trusted."}
+    )
     probe_interval: int = field(
         default=32,
         metadata={"help": "After this many all-plain steps, try once with optimistic acceptance (0 disables)."},
@@ -165,6 +168,7 @@ class GoodputSettings:
         check_positive("tolerance", self.tolerance)
         check_int("explore_interval", self.explore_interval, 1)
         check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("confirm_samples", self.confirm_samples, 1)
         _check_number("min_gain", self.min_gain, 0.0)
         _check_number("probe_z", self.probe_z, 0.0)
         check_int("probe_interval", self.probe_interval, 0)
@@ -260,6 +264,7 @@ def _build_cost_model(settings: GoodputSettings) -> StepCostModel:
         tolerance=settings.tolerance,
         explore_interval=settings.explore_interval,
         warmup_steps=settings.warmup_steps,
+        confirm_samples=settings.confirm_samples,
         profile=profile,
     )
 

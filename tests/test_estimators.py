@@ -1,0 +1,295 @@
+"""Acceptance estimation and step cost models: fitting, noise handling, online learning, profiles."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dynspec.estimators import (
+    AcceptanceEstimator,
+    DraftTiming,
+    OnlineCostModel,
+    PiecewiseLinear,
+    Profile,
+    ProfileCostModel,
+    TargetTiming,
+    expected_tokens,
+    isotonic_increasing,
+)
+from hf_dynspec.policies import GoodputPolicy, GoodputSettings, PolicyInput, StepFeedback, best_draft_lengths
+
+
+# ---- acceptance ----------------------------------------------------------------------------------------------------
+def geometric_accepted(acceptance: torch.Tensor, lengths: torch.LongTensor, generator: torch.Generator) -> torch.Tensor:
+    """Accepted draft tokens when each is accepted with probability `acceptance[i]` until the first rejection."""
+    width = max(int(lengths.max()), 1)
+    draws = torch.rand(acceptance.shape[0], width, generator=generator) < acceptance.unsqueeze(1)
+    draws &= torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    return draws.long().cumprod(dim=1).sum(dim=1)
+
+
+def test_acceptance_estimates_converge_per_row() -> None:
+    truth = torch.tensor([0.9, 0.5, 0.2])
+    estimator = AcceptanceEstimator(prior_acceptance=0.6, prior_weight=4.0, decay=0.99)
+    estimator.reset(3)
+    generator = torch.Generator().manual_seed(0)
+    rows, lengths = torch.arange(3), torch.full((3,), 4)
+    for _ in range(400):
+        estimator.update(rows, lengths, geometric_accepted(truth, lengths, generator))
+    torch.testing.assert_close(estimator.mean(rows).float(), truth, atol=0.06, rtol=0)
+
+
+def test_acceptance_uncertainty_shrinks_with_observations() -> None:
+    estimator = AcceptanceEstimator(prior_acceptance=0.5, prior_weight=4.0, decay=1.0)
+    estimator.reset(2)
+    rows = torch.tensor([0, 1])
+    fresh_gap = estimator.upper(rows, 2.0) - estimator.mean(rows)
+    for _ in range(20):
+        estimator.update(torch.tensor([0]), torch.tensor([4]), torch.tensor([2]))
+    gap = estimator.upper(rows, 2.0) - estimator.mean(rows)
+    assert float(gap[0]) < float(fresh_gap[0]) / 3
+    assert float(gap[1]) > 2 * float(gap[0])  # row 1 saw nothing: still uncertain
+
+
+def test_acceptance_rows_without_drafts_learn_nothing() -> None:
+    estimator = AcceptanceEstimator(prior_acceptance=0.6)
+    estimator.reset(1)
+    estimator.update(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
+    assert float(estimator.mean(torch.tensor([0]))) == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prior_acceptance": 1.0}, "`prior_acceptance` must be a number strictly between 0 and 1"),
+        ({"prior_weight": -1.0}, "`prior_weight` must be a finite number > 0"),
+        ({"decay": 1.5}, r"`decay` must be a number in \(0, 1\]"),
+    ],
+)
+def test_acceptance_estimator_rejects_bad_settings(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        AcceptanceEstimator(**kwargs)
+
+
+def test_acceptance_update_rejects_impossible_counts() -> None:
+    estimator = AcceptanceEstimator()
+    with pytest.raises(ValueError, match="must lie between 0 and the proposed lengths"):
+        estimator.update(torch.tensor([0]), torch.tensor([2]), torch.tensor([3]))
+
+
+def test_expected_tokens_matches_the_closed_form() -> None:
+    acceptance = torch.tensor([0.0, 0.3, 0.8, 1.0], dtype=torch.float64)
+    lengths = torch.tensor([3, 2, 5, 4])
+    closed = [(1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1 for a, k in zip(acceptance.tolist(), lengths.tolist())]
+    torch.testing.assert_close(expected_tokens(acceptance, lengths), torch.tensor(closed, dtype=torch.float64))
+
+
+# ---- piecewise linear functions ------------------------------------------------------------------------------------
+def test_isotonic_regression_pools_adjacent_violators() -> None:
+    fitted = isotonic_increasing(np.array([1.0, 3.0, 2.0, 4.0]), np.ones(4))
+    np.testing.assert_allclose(fitted, [1.0, 2.5, 2.5, 4.0])
+    weighted = isotonic_increasing(np.array([1.0, 3.0, 2.0]), np.array([1.0, 1.0, 3.0]))
+    np.testing.assert_allclose(weighted, [1.0, 2.25, 2.25])
+
+
+def test_piecewise_linear_interpolates_and_extrapolates() -> None:
+    curve = PiecewiseLinear.fit({2: (1.0, 1), 4: (2.0, 1), 8: (2.5, 1)})
+    np.testing.assert_allclose(curve(np.array([1.0, 2.0, 3.0, 6.0, 12.0])), [0.5, 1.0, 1.5, 2.25, 3.0])
+    single = PiecewiseLinear.fit({4: (2.0, 1)})
+    np.testing.assert_allclose(single(np.array([2.0, 4.0, 40.0])), [1.0, 2.0, 2.0])
+    assert PiecewiseLinear.fit({}) is None
+
+
+# ---- online cost model ---------------------------------------------------------------------------------------------
+def true_verify(tokens: float) -> float:
+    """A target whose forward costs 80 ms plus 4 ms per token, growing faster beyond ~64 tokens."""
+    return 0.08 + 0.004 * tokens + 0.00003 * tokens**2
+
+
+def true_draft(batch: int) -> float:
+    return 0.02 + 0.002 * batch
+
+
+def true_step(batch: int, longest: int) -> float:
+    return true_verify(batch * (1 + longest)) + longest * true_draft(batch)
+
+
+class NoisyClock:
+    """Timings of `true_step` with 10% log-normal noise and, on 5% of the steps, a 4x stall."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, seconds: float) -> float:
+        stall = 4.0 if self.rng.random() < 0.05 else 1.0
+        return seconds * float(np.exp(self.rng.normal(0.0, 0.1))) * stall
+
+
+def run_rollout(policy: GoodputPolicy, clock: NoisyClock, budgets: list[int], acceptance: float, seed: int) -> list:
+    """Simulate one `generate` call: rows finish as their budgets run out; returns (batch, longest) per step."""
+    generator = torch.Generator().manual_seed(seed)
+    remaining = torch.tensor(budgets)
+    row_ids = torch.arange(len(budgets))
+    policy.reset(len(budgets))
+    trace, step = [], 0
+    while row_ids.numel():
+        lengths = policy.draft_lengths(PolicyInput(step, row_ids, remaining, 8)).minimum(remaining - 1).clamp(min=0)
+        accepted = geometric_accepted(torch.full((row_ids.numel(),), acceptance), lengths, generator)
+        batch, longest = row_ids.numel(), int(lengths.max())
+        draft_seconds = clock(longest * true_draft(batch)) if longest else 0.0
+        verify_seconds = clock(true_verify(batch * (1 + longest)))
+        policy.observe(StepFeedback(row_ids, lengths, lengths, accepted, draft_seconds, verify_seconds,
+                                    batch * (1 + longest)))
+        trace.append((batch, longest))
+        remaining = remaining - (accepted + 1)
+        alive = remaining > 0
+        row_ids, remaining, step = row_ids[alive], remaining[alive], step + 1
+    return trace
+
+
+def test_online_cost_model_converges_without_a_profile() -> None:
+    model = OnlineCostModel()
+    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.8), cost_model=model)
+    clock = NoisyClock(seed=0)
+    rng = np.random.default_rng(1)
+    for call in range(4):  # one policy object across generate calls keeps learning
+        run_rollout(policy, clock, rng.integers(20, 200, size=16).tolist(), acceptance=0.8, seed=call)
+    # confirmed knots sit on the true curve despite noise and 4x stalls (read a little low: the fastest sample)
+    confirmed = [n for n, samples in model.verify_samples.items() if len(samples) >= model.confirm_samples]
+    assert len(confirmed) >= 10
+    for tokens in confirmed:
+        assert 0.75 < float(model.verify(np.array([tokens]))[0]) / true_verify(tokens) < 1.1
+    # and the lengths it picks at every batch size are worth (under the true costs) nearly the best lengths
+    for batch in range(1, 17):
+        acceptance = torch.full((batch,), 0.8, dtype=torch.float64)
+        chosen = int(best_draft_lengths(acceptance, torch.full((batch,), 8), 8, model).max())
+        rates = [batch * float(expected_tokens(acceptance[:1], torch.tensor([k]))) / true_step(batch, k) for k in range(9)]
+        assert rates[chosen] >= 0.9 * max(rates), (batch, chosen, int(np.argmax(rates)))
+
+
+def test_online_cost_model_ignores_a_stall_at_a_thinly_measured_point() -> None:
+    model = OnlineCostModel(warmup_steps=0)
+
+    def observe(batch: int, longest: int, slowdown: float = 1.0) -> None:
+        lengths = torch.full((batch,), longest)
+        model.observe(StepFeedback(torch.arange(batch), lengths, lengths, lengths, 0.0,
+                                   slowdown * true_verify(batch * (1 + longest)), batch * (1 + longest)))
+
+    for _ in range(3):
+        observe(4, 0)
+        observe(4, 3)
+    observe(4, 1, slowdown=4.0)  # one stalled step at N = 8, between two confirmed knots
+    between = true_verify(4) + (true_verify(16) - true_verify(4)) * (8 - 4) / (16 - 4)  # the confirmed knots' line
+    assert float(model.verify(np.array([8]))[0]) == pytest.approx(between)
+    for _ in range(3):
+        observe(4, 1)
+    assert float(model.verify(np.array([8]))[0]) == pytest.approx(true_verify(8))
+
+
+def test_online_cost_model_asks_for_the_points_it_lacks() -> None:
+    model = OnlineCostModel(explore_interval=2, warmup_steps=1)
+    assert model.exploration_length(4, 8) == 0  # nothing known: a plain step first
+
+    def observe(batch: int, longest: int) -> None:
+        lengths = torch.full((batch,), longest)
+        model.observe(StepFeedback(torch.arange(batch), lengths, lengths, lengths, 0.01 * longest,
+                                   true_verify(batch * (1 + longest)), batch * (1 + longest)))
+
+    observe(4, 0)  # the warm-up step is ignored
+    assert model.steps_observed == 1 and not model.verify_samples
+    observe(4, 0)
+    assert model.exploration_length(4, 8) == 8  # the plain step is known; now the longest draft
+    observe(4, 8)
+    assert model.exploration_length(4, 8) is None  # bracketed: gap filling waits for explore_interval steps
+    gap = model.exploration_length(4, 8)
+    assert gap is not None and 1 <= gap <= 7
+    assert model.exploration_length(2, 8) == 0  # a smaller batch: its plain step is below every knot
+    assert model.exploration_length(40, 8) == 8  # a larger one: its longest draft is above every knot
+
+
+def test_profile_cost_model_never_explores_and_merges_equal_token_counts() -> None:
+    profile = Profile(
+        target_forward=[TargetTiming(1, 4, 0.30), TargetTiming(4, 1, 0.20), TargetTiming(2, 2, 0.22),
+                        TargetTiming(1, 1, 0.10), TargetTiming(2, 1, 0.09)],
+        draft_forward=[DraftTiming(1, 0.02)],
+    )
+    model = ProfileCostModel(profile)
+    assert model.exploration_length(1, 8) is None
+    np.testing.assert_allclose(model.verify.xs, [1.0, 2.0, 4.0])
+    np.testing.assert_allclose(model.verify.ys, [0.095, 0.095, 0.22])  # median at N=4, then made nondecreasing
+
+
+def test_online_model_starts_from_a_profile_and_follows_a_slower_machine() -> None:
+    profile = Profile(
+        target_forward=[TargetTiming(b, t, true_verify(b * t)) for b in (1, 4) for t in (1, 3, 9)],
+        draft_forward=[DraftTiming(b, true_draft(b)) for b in (1, 4)],
+    )
+    model = OnlineCostModel(window=5, warmup_steps=0, profile=profile)
+    assert model.step_seconds(4, torch.tensor([2, 0, 0, 0])) == pytest.approx(true_step(4, 2))
+    for _ in range(5):  # this machine is twice as slow
+        lengths = torch.full((4,), 2)
+        model.observe(StepFeedback(torch.arange(4), lengths, lengths, lengths, 2 * 2 * true_draft(4),
+                                   2 * true_verify(12), 12))
+    assert model.step_seconds(4, torch.tensor([2, 2, 2, 2])) == pytest.approx(2 * true_step(4, 2), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": 0}, "`window` must be an integer >= 1"),
+        ({"tolerance": 0}, "`tolerance` must be a finite number > 0"),
+        ({"explore_interval": 0}, "`explore_interval` must be an integer >= 1"),
+        ({"warmup_steps": -1}, "`warmup_steps` must be an integer >= 0"),
+    ],
+)
+def test_online_cost_model_rejects_bad_settings(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        OnlineCostModel(**kwargs)
+
+
+# ---- profiles ------------------------------------------------------------------------------------------------------
+def small_profile() -> Profile:
+    return Profile(
+        target_forward=[TargetTiming(1, 1, 0.1, [0.1, 0.11]), TargetTiming(1, 2, 0.12, [0.12])],
+        draft_forward=[DraftTiming(1, 0.03, [0.03])],
+        target="t",
+        draft="d",
+    )
+
+
+def test_profile_round_trips_through_json(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    small_profile().save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == "hf_dynspec.profile" and data["version"] == 1
+    assert Profile.load(path) == small_profile()
+    assert Profile.load(data) == small_profile()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(format="vllm"), "Not a calibration profile: `format` is 'vllm'"),
+        (lambda d: d.update(version=7), "Unsupported profile `version` 7"),
+        (lambda d: d.update(gpu="a100"), r"Unknown profile key\(s\) \['gpu'\]"),
+        (lambda d: d["target_forward"][1].update(seconds=-1.0), r"`target_forward\[1\].seconds` must be a finite number > 0"),
+        (lambda d: d["target_forward"][0].update(tokens_per_row=0), r"`target_forward\[0\].tokens_per_row`"),
+        (lambda d: d["draft_forward"][0].update(batch_size=0), r"`draft_forward\[0\].batch_size`"),
+        (lambda d: d["target_forward"][0].pop("seconds"), "Malformed timing entry"),
+        (lambda d: d.update(target_forward=[]), "at least one `target_forward` timing"),
+    ],
+)
+def test_profile_rejects_malformed_files_naming_the_field(mutate, message) -> None:
+    data = small_profile().to_dict()
+    mutate(data)
+    with pytest.raises(ValueError, match=message):
+        Profile.from_dict(data)
+
+
+def test_profile_load_reports_a_missing_file() -> None:
+    with pytest.raises(ValueError, match="does not exist; create it with `hf-dynspec calibrate`"):
+        Profile.load("/nonexistent/profile.json")
+
