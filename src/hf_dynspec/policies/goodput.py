@@ -132,14 +132,14 @@ class GoodputSettings:
     prior_acceptance: float = field(default=0.6, metadata={"help": "Acceptance assumed before anything is observed."})
     prior_weight: float = field(default=4.0, metadata={"help": "Weight of the prior, in draft tokens."})
     acceptance_decay: float = field(default=0.95, metadata={"help": "Per-step decay of a row's acceptance counts."})
-    window: int = field(default=9, metadata={"help": "Online costs: recent samples kept per knot (median)."})
+    window: int = field(default=9, metadata={"help": "Online costs: recent samples kept per knot (the fastest counts)."})
     tolerance: float = field(
         default=0.25, metadata={"help": "Online costs: a point counts as measured within a factor 1 + tolerance."}
     )
     explore_interval: int = field(default=16, metadata={"help": "Online costs: steps between gap measurements."})
     warmup_steps: int = field(default=1, metadata={"help": "Online costs: first observed steps to ignore."})
     confirm_samples: int = field(
-        default=3, metadata={"help": "Online costs: samples before a knot between measured ones is trusted."}
+        default=3, metadata={"help": "Online costs: samples before a knot may cost more than its neighbours predict."}
     )
     probe_interval: int = field(
         default=32,
