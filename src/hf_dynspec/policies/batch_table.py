@@ -92,9 +92,8 @@ class BatchTablePolicy(DraftLengthPolicy):
             table: `[start_bs, end_bs, k]` entries (vLLM's `num_speculative_tokens_per_batch_size`).
             outside_ranges: `"maximum"` or `"previous"`, what a batch size in no range drafts (see module docs).
         """
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
-            raise ValueError(f"`num_speculative_tokens` must be an integer >= 1, got {num_speculative_tokens!r}.")
-        if num_speculative_tokens < 1:
+        valid = isinstance(num_speculative_tokens, int) and not isinstance(num_speculative_tokens, bool)
+        if not valid or num_speculative_tokens < 1:
             raise ValueError(f"`num_speculative_tokens` must be an integer >= 1, got {num_speculative_tokens!r}.")
         if outside_ranges not in OUTSIDE_RANGES:
             raise ValueError(f"`outside_ranges` must be one of {list(OUTSIDE_RANGES)}, got {outside_ranges!r}.")

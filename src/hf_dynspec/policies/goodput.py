@@ -161,9 +161,9 @@ class GoodputSettings:
             raise ValueError(f"`profile` must be a path or a dict, got {type(self.profile).__name__}.")
         check_open_unit("prior_acceptance", self.prior_acceptance)
         check_positive("prior_weight", self.prior_weight)
-        _check_number("acceptance_decay", self.acceptance_decay, 0.0)
-        if self.acceptance_decay == 0 or self.acceptance_decay > 1:
-            raise ValueError(f"`acceptance_decay` must be a number in (0, 1], got {self.acceptance_decay!r}.")
+        decay = self.acceptance_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"`acceptance_decay` must be a number in (0, 1], got {decay!r}.")
         check_int("window", self.window, 1)
         check_positive("tolerance", self.tolerance)
         check_int("explore_interval", self.explore_interval, 1)
@@ -213,7 +213,6 @@ class GoodputPolicy(DraftLengthPolicy):
         self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.stopper = _build_stopper(s.early_stop)
         self.plain_streak = 0
-        self.last_exploration: int | None = None
 
     def reset(self, num_rows: int) -> None:
         self.acceptance.reset(num_rows)
@@ -226,9 +225,9 @@ class GoodputPolicy(DraftLengthPolicy):
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
         if batch == 0 or max_k == 0:
             return torch.zeros(batch, dtype=torch.long)
-        self.last_exploration = self.cost_model.exploration_length(batch, max_k)
-        if self.last_exploration is not None:
-            return caps.clamp(max=self.last_exploration)
+        exploration = self.cost_model.exploration_length(batch, max_k)
+        if exploration is not None:
+            return caps.clamp(max=exploration)
         acceptance = self.acceptance.mean(request.row_ids)
         lengths = best_draft_lengths(acceptance, caps, max_k, self.cost_model, self.settings.min_gain)
         if bool((lengths > 0).any()):
