@@ -189,6 +189,16 @@ def test_online_cost_model_ignores_a_stall_at_a_thinly_measured_point() -> None:
     assert float(model.verify(np.array([8]))[0]) == pytest.approx(true_verify(8))
 
 
+def test_goodput_runs_the_lengths_a_fresh_online_model_asks_for() -> None:
+    policy = GoodputPolicy(GoodputSettings(warmup_steps=0), cost_model=OnlineCostModel(warmup_steps=0))
+    policy.reset(4)
+    request = PolicyInput(0, torch.arange(4), torch.tensor([50, 50, 50, 3]), 6)
+    assert policy.draft_lengths(request).tolist() == [0, 0, 0, 0] and policy.last_exploration == 0
+    lengths = torch.zeros(4, dtype=torch.long)
+    policy.observe(StepFeedback(torch.arange(4), lengths, lengths, lengths, 0.0, 0.1, 4))
+    assert policy.draft_lengths(request).tolist() == [6, 6, 6, 2] and policy.last_exploration == 6
+
+
 def test_online_cost_model_asks_for_the_points_it_lacks() -> None:
     model = OnlineCostModel(explore_interval=2, warmup_steps=1)
     assert model.exploration_length(4, 8) == 0  # nothing known: a plain step first

@@ -245,6 +245,7 @@ def test_goodput_probes_after_a_long_plain_stretch_with_optimistic_acceptance() 
     policy.reset(1)
     probed = [bool(policy.draft_lengths(request(1, 4)).max() > 0) for _ in range(8)]
     assert probed == [False, False, False, True, False, False, False, True]
+    assert policy.last_exploration is None  # a fixed cost model never asks to explore
     never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=0), cost_model=cost)
     assert [int(never.draft_lengths(request(1, 4)).max()) for _ in range(8)] == [0] * 8
 

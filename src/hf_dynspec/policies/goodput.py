@@ -191,6 +191,9 @@ class GoodputPolicy(DraftLengthPolicy):
     `best_draft_lengths`. An online cost model may instead ask for one exploratory length (to measure a point it
     lacks). After `probe_interval` consecutive plain steps the policy re-solves once with optimistic acceptance
     (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
+
+    `last_exploration` is the length the cost model asked to measure at the last step (`None`: the step was chosen
+    by the search).
     """
 
     name = "goodput"
@@ -213,6 +216,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.stopper = _build_stopper(s.early_stop)
         self.plain_streak = 0
+        self.last_exploration: int | None = None
 
     def reset(self, num_rows: int) -> None:
         self.acceptance.reset(num_rows)
@@ -223,11 +227,12 @@ class GoodputPolicy(DraftLengthPolicy):
     def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
+        self.last_exploration = None
         if batch == 0 or max_k == 0:
             return torch.zeros(batch, dtype=torch.long)
-        exploration = self.cost_model.exploration_length(batch, max_k)
-        if exploration is not None:
-            return caps.clamp(max=exploration)
+        self.last_exploration = self.cost_model.exploration_length(batch, max_k)
+        if self.last_exploration is not None:
+            return caps.clamp(max=self.last_exploration)
         acceptance = self.acceptance.mean(request.row_ids)
         lengths = best_draft_lengths(acceptance, caps, max_k, self.cost_model, self.settings.min_gain)
         if bool((lengths > 0).any()):
