@@ -6,9 +6,11 @@ export PYTHON
 install:
 	bash scripts/install.sh
 
-# Main job: a short benchmark on the embedded default models.
+# Main job: a short benchmark on the embedded default models (scenario 1, HumanEval, batch sizes 1 and 4).
 demo: install
-	$(PYTHON) -m hf_dynspec.cli demo
+	$(PYTHON) -m hf_dynspec.cli bench --scenario fixed --batch-sizes 1,4 --num-prompts 4 --batch-size-prompts 1=1 \
+		--max-new-tokens 32 --repetitions 1 --methods plain,hf-assisted,dynspec-static:4,dynspec-goodput \
+		--out demo_results.json
 
 # Tests (tiny models built from configs; no downloads).
 test: install

@@ -2,7 +2,8 @@
 
 `run_benchmark(settings)` returns the `results.json` dict:
 `{"machine": {...}, "config": {...}, "runs": [...], "traces": [...]}` where each run is one (method, batch size) with
-median timings over the repetitions, and each trace holds the per-step records of a speculative-loop run for plots.
+median timings over the repetitions (`wall_s`: for every batch of prompts the median over repetitions, summed over
+the batches), and each trace holds the per-step records of a speculative-loop run (last repetition) for plots.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def machine_description() -> dict[str, Any]:
 # ---- the run -------------------------------------------------------------------------------------------------------
 @dataclass
 class _Measured:
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # wall seconds of each repetition
+    chunk_seconds: dict[int, list[float]] = field(default_factory=dict)  # wall seconds of each batch, per repetition
+    chunk_cpu_seconds: dict[int, list[float]] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)  # one per repetition
     mismatched_prompts: int = 0
     mismatched_tokens: int = 0
@@ -191,6 +194,9 @@ def run_benchmark(
             part = runner.run(
                 method, prompts[chunk], batch_size, budgets[chunk] if budgets else None, progress=False
             )
+            entry = measured[(method.name, batch_size)]
+            entry.chunk_seconds.setdefault(chunk.start, []).append(part.seconds)
+            entry.chunk_cpu_seconds.setdefault(chunk.start, []).append(part.cpu_seconds)
             key = (method.name, batch_size, rep)
             current.setdefault(key, Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)).extend(part)
         for (name, batch_size, _rep), outcome in current.items():
@@ -250,13 +256,18 @@ def _warm_up(runner, methods: list[Method], settings: BenchSettings, prompts, bu
 
 def _run_record(method: Method, batch_size: int, entry: _Measured, settings: BenchSettings) -> dict[str, Any]:
     outcome = entry.outcomes[-1]
-    wall = statistics.median(entry.seconds)
+    # per batch of prompts the median over repetitions, summed: a slow phase of a shared machine during one
+    # repetition of one batch does not leak into the result
+    wall = sum(statistics.median(values) for values in entry.chunk_seconds.values())
+    cpu = sum(statistics.median(values) for values in entry.chunk_cpu_seconds.values())
     return {
         "method": method.name,
         "batch_size": batch_size,
         "tokens_per_s": outcome.new_tokens / wall if wall > 0 else None,
         "wall_s": wall,
         "wall_s_repetitions": entry.seconds,
+        "cpu_s": cpu,
+        "tokens_per_cpu_s": outcome.new_tokens / cpu if cpu > 0 else None,
         "num_prompts": len(outcome.tokens),
         "new_tokens": outcome.new_tokens,
         "mean_accepted": outcome.mean_accepted(method),

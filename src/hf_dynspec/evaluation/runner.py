@@ -44,6 +44,8 @@ class Outcome:
     seconds: float
     target_forwards: int
     draft_forwards: int
+    cpu_seconds: float = 0.0
+    """CPU time of this process (all threads) spent in `generate`; less affected than wall time by other load."""
     accepted: Counter = field(default_factory=Counter)
     """Row-steps by accepted draft tokens (dynspec methods; only row-steps that proposed a draft)."""
     steps: list[dict[str, float]] = field(default_factory=list)
@@ -57,6 +59,7 @@ class Outcome:
         """Append `other` (the same method on the next prompts) to this outcome."""
         self.tokens.extend(other.tokens)
         self.seconds += other.seconds
+        self.cpu_seconds += other.cpu_seconds
         self.target_forwards += other.target_forwards
         self.draft_forwards += other.draft_forwards
         self.accepted.update(other.accepted)
@@ -207,10 +210,11 @@ class Runner:
             kwargs["stopping_criteria"] = StoppingCriteriaList([RowBudgets(input_ids, budgets)])
         if self.do_sample:
             torch.manual_seed(self.seed)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             output = self._call(method, kwargs)
         outcome.seconds += time.perf_counter() - start
+        outcome.cpu_seconds += time.process_time() - cpu_start
         outcome.tokens.extend(trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, budgets))
         stats = getattr(output, "dynspec_stats", None)
         if stats is not None:
