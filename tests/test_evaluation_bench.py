@@ -42,6 +42,9 @@ def test_policy_options_reach_the_config():
     assert options == {"goodput": {"window": 5, "cost_model": "online"}, "batch_table": {"vllm_config": "t.json"}}
     method = methods.parse_method("dynspec-goodput", options)
     assert method.dynspec_config.policy_options == {"window": 5, "cost_model": "online"}
+    tagged = methods.parse_method("dynspec-goodput@slow:6", methods.parse_policy_options(["goodput@slow.window=2"]))
+    assert tagged.name == "dynspec-goodput@slow:6" and tagged.dynspec_config.policy == "goodput"
+    assert tagged.dynspec_config.policy_options == {"window": 2} and tagged.dynspec_config.num_speculative_tokens == 6
 
 
 @pytest.mark.parametrize(

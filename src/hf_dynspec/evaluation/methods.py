@@ -10,7 +10,8 @@
 | `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
-`policy_options[<policy>]`.
+`policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
+takes its options from `policy_options["goodput@profile"]`.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
         config = DynSpecConfig(num_speculative_tokens=tokens, policy="static")
         return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": tokens}, dynspec_config=config)
     if base.startswith("dynspec-"):
-        policy = POLICY_ALIASES.get(base[len("dynspec-") :], base[len("dynspec-") :])
-        options = dict((policy_options or {}).get(policy, {}))
+        policy, _, tag = base[len("dynspec-") :].partition("@")
+        policy = POLICY_ALIASES.get(policy, policy)
+        options = dict((policy_options or {}).get(f"{policy}@{tag}" if tag else policy, {}))
         settings: dict[str, Any] = {"policy": policy, "policy_options": options}
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
@@ -115,7 +117,7 @@ def check_policies(methods: list[Method]) -> None:
 
 
 def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
-    """`["batch_table.table=t.json", "goodput.alpha=0.5"]` -> `{"batch_table": {"table": "t.json"}, ...}`.
+    """`["batch_table.table=t.json", "goodput@p.window=5"]` -> `{"batch_table": {"table": "t.json"}, "goodput@p": ...}`.
 
     Values are read as JSON when they parse (numbers, booleans, lists), else kept as strings.
     """
@@ -129,7 +131,8 @@ def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
             parsed: Any = json.loads(value)
         except json.JSONDecodeError:
             parsed = value
-        options.setdefault(POLICY_ALIASES.get(policy, policy), {})[option] = parsed
+        name, at, tag = policy.partition("@")
+        options.setdefault(POLICY_ALIASES.get(name, name) + at + tag, {})[option] = parsed
     return options
 
 
