@@ -16,7 +16,7 @@ from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.prompt_lookup import PromptLookupProposer
 from .config import DynSpecConfig
-from .placement import Placement, logits_kwargs
+from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, StepFeedback, build_policy
 from .processors import process_logits
 from .sequences import TokenBatch
@@ -155,7 +155,7 @@ class _Run:
         self.target_cache = RaggedCache(
             cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction
         )
-        logits = self._target_forward(input_ids, self.target_cache.begin(mask), positions, 1)  # [batch, 1, vocab]
+        logits = self._target_forward(input_ids, mask, positions, 1)  # [batch, 1, vocab]
         check_cache_supported(cache, "target model")
         batch = TokenBatch(
             tokens=self.output.clone(),
@@ -186,8 +186,7 @@ class _Run:
         width = proposal.max_length
         inputs = torch.cat([batch.last_tokens().unsqueeze(1), proposal.tokens], dim=1)  # [batch, 1 + width]
         positions = (batch.num_real - 1).unsqueeze(1) + torch.arange(width + 1, device=inputs.device)
-        attention_mask = self.target_cache.begin(torch.ones_like(inputs))
-        logits = self._target_forward(inputs, attention_mask, positions, width + 1)  # [batch, 1 + width, vocab]
+        logits = self._target_forward(inputs, torch.ones_like(inputs), positions, width + 1)  # [batch, 1 + width, vocab]
         scores = process_logits(self.logits_processor, batch, proposal.tokens, logits, lengths=proposal.lengths)
         accepted, next_tokens = self._verify(scores, proposal.tokens, proposal.lengths, proposal.probs)
         verified = self.placement.clock()
@@ -218,19 +217,11 @@ class _Run:
         return lambda position, probs: self.policy.continue_drafting(row_ids, position, probs)
 
     def _target_forward(
-        self, ids: torch.LongTensor, attention_mask: torch.LongTensor, positions: torch.LongTensor, keep: int
+        self, ids: torch.LongTensor, query_mask: torch.LongTensor, positions: torch.LongTensor, keep: int
     ) -> torch.Tensor:
-        to_target = self.placement.to_target
-        output = self.model(
-            input_ids=to_target(ids),
-            attention_mask=to_target(attention_mask),
-            position_ids=to_target(positions),
-            past_key_values=self.target_cache.cache,
-            use_cache=True,
-            **logits_kwargs(self.model, keep),
-        )
+        """`[batch, keep, vocab]` float32 target logits for the last `keep` of the new tokens."""
         self.stats.target_forwards += 1
-        return self.placement.logits_to_loop(output.logits[:, -keep:])
+        return self.placement.forward(self.model, self.target_cache, ids, query_mask, positions, keep)
 
     def _verify(
         self,

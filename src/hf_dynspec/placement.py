@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from .cache import RaggedCache
+
 
 def logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, int]:
     """`{"logits_to_keep": keep}` when the model's forward accepts it (it then computes only the last logits)."""
@@ -26,7 +28,7 @@ def input_device(model: PreTrainedModel) -> torch.device:
 
 @dataclass
 class Placement:
-    """Devices of the loop, the target's inputs and the draft's inputs."""
+    """The loop device and the input devices of target and draft."""
 
     loop_device: torch.device
     target_device: torch.device
@@ -36,13 +38,35 @@ class Placement:
     def of(cls, loop_device: torch.device, target: PreTrainedModel, draft: PreTrainedModel | None) -> Placement:
         return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None)
 
-    def to_target(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Ids, masks or positions for a target forward."""
-        return tensor.to(self.target_device, non_blocking=True)
+    def forward(
+        self,
+        model: PreTrainedModel,
+        cache: RaggedCache,
+        ids: torch.LongTensor,
+        query_mask: torch.LongTensor,
+        positions: torch.LongTensor,
+        keep: int,
+    ) -> torch.Tensor:
+        """One forward of `model` (target or draft) over new tokens, extending its ragged cache.
 
-    def to_draft(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Ids, masks or positions for a draft forward."""
-        return tensor.to(self.draft_device, non_blocking=True)
+        Args:
+            ids, query_mask, positions: `[batch, width]` new tokens, 1 where real (0 on padding), and their positions.
+            keep: how many trailing positions need logits.
+
+        Returns:
+            `[batch, keep, vocab]` float32 logits on the loop device.
+        """
+        device = input_device(model)
+        attention_mask = cache.begin(query_mask)
+        output = model(
+            input_ids=ids.to(device, non_blocking=True),
+            attention_mask=attention_mask.to(device, non_blocking=True),
+            position_ids=positions.to(device, non_blocking=True),
+            past_key_values=cache.cache,
+            use_cache=True,
+            **logits_kwargs(model, keep),
+        )
+        return self.logits_to_loop(output.logits[:, -keep:])
 
     def logits_to_loop(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits from either model, as float32 on the loop device (a fresh tensor, safe to modify in place)."""

@@ -9,7 +9,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import RaggedCache, check_cache_supported
 from ..config import DynSpecConfig
-from ..placement import Placement, logits_kwargs
+from ..placement import Placement
 from ..processors import process_logits
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
@@ -97,19 +97,9 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     def _forward(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
-        """One draft forward over `[batch, width]` new tokens; returns float32 logits of the last column."""
-        attention_mask = self.ragged.begin(mask)
-        to_draft = self.placement.to_draft
-        output = self.draft_model(
-            input_ids=to_draft(ids),
-            attention_mask=to_draft(attention_mask),
-            position_ids=to_draft(positions),
-            past_key_values=self.ragged.cache,
-            use_cache=True,
-            **logits_kwargs(self.draft_model, 1),
-        )
+        """One draft forward over `[batch, width]` new tokens; returns float32 logits `[batch, vocab]` of the last."""
         self.forwards += 1
-        return self.placement.logits_to_loop(output.logits[:, -1])
+        return self.placement.forward(self.draft_model, self.ragged, ids, mask, positions, 1)[:, -1]
 
     def _select(self, scores: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Pick the draft token from processed scores `[batch, vocab]`; also return q when sampling."""
