@@ -30,11 +30,14 @@ def test_forward_schedule_when_everything_is_accepted(k):
     assert torch.equal(out.sequences, expected)
     stats = out.dynspec_stats
     assert stats.num_steps == steps and stats.target_forwards == steps + 1
-    assert stats.draft_forwards == steps * k  # no extra pass for the bonus token's KV
-    # First draft forward: prompt + first token. Each later step opens with the last draft token and the bonus token.
-    first_of_step = widths[::k]
-    assert first_of_step == [ids.shape[1] + 1] + [2] * (steps - 1)
-    assert all(width == 1 for i, width in enumerate(widths) if i % k)
+    # One catch-up forward over the prompt (the draft's prefill), then exactly k forwards per step: the bonus token's
+    # KV never costs an extra pass.
+    assert stats.draft_forwards == 1 + steps * k
+    assert widths[0] == ids.shape[1]
+    first_of_step = widths[1::k]
+    assert first_of_step == [1] + [2] * (steps - 1)  # later steps open with the last draft token and the bonus
+    assert all(width == 1 for i, width in enumerate(widths[1:]) if i % k)
+    assert stats.steps[0].catchup_seconds > 0 and all(step.catchup_seconds == 0 for step in stats.steps[1:])
 
 
 def test_draft_catches_up_after_steps_without_speculation():
@@ -55,6 +58,9 @@ def test_draft_catches_up_after_steps_without_speculation():
                               assistant_model=draft, dynspec_policy=Alternate(), return_dict_in_generate=True)
     hook.remove()
     assert torch.equal(out.sequences, expected)
-    # step 3 drafts after 4 tokens the draft has not seen (prefill's + three plain steps): one forward takes them all
-    assert widths[0] == ids.shape[1] + 4
+    # Step 3 is the first to draft: the prompt and the tokens of the prefill and three plain steps are caught up in one
+    # forward (all but the newest token), then drafting starts from the newest token.
+    assert widths[:2] == [ids.shape[1] + 3, 1]
     assert out.dynspec_stats.draft_forwards == len(widths)
+    catchups = [step.catchup_seconds > 0 for step in out.dynspec_stats.steps]
+    assert catchups[3] and sum(catchups) == len(range(3, out.dynspec_stats.num_steps, 4))

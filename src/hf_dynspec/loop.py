@@ -179,8 +179,10 @@ class _Run:
 
         start = self.placement.clock()
         early_stop = self._early_stop_for(batch.row_ids)
-        proposal = self.proposer.propose(batch, requested, early_stop) if int(requested.max()) > 0 else None
-        proposal = proposal or Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None)
+        if int(requested.max()) > 0:
+            proposal, catchup = self.proposer.propose(batch, requested, early_stop), self.proposer.catchup_seconds
+        else:
+            proposal, catchup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0
         drafted = self.placement.clock()
 
         width = proposal.max_length
@@ -198,7 +200,7 @@ class _Run:
         # Row b emits its accepted draft tokens, then the recovered or bonus token at index accepted[b].
         emitted = torch.cat([proposal.tokens, next_tokens.unsqueeze(1)], dim=1)  # [batch, width + 1]
         emitted.scatter_(1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
-        self._observe(requested, proposal, accepted, drafted - start, verified - drafted, batch)
+        self._observe(requested, proposal, accepted, drafted - start - catchup, catchup, verified - drafted, batch)
         return self._emit(batch, emitted, accepted + 1, scores)
 
     def _requested_lengths(self, batch: TokenBatch, step: int) -> torch.LongTensor:
@@ -301,12 +303,14 @@ class _Run:
         proposal: Proposal,
         accepted: torch.LongTensor,
         draft_seconds: float,
+        catchup_seconds: float,
         verify_seconds: float,
         batch: TokenBatch,
     ) -> None:
         target_tokens = batch.batch_size * (proposal.max_length + 1)
         feedback = StepFeedback(
-            batch.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens
+            batch.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens,
+            catchup_seconds,
         )
         self.policy.observe(feedback)
         stats = self.stats
@@ -314,6 +318,7 @@ class _Run:
         stats.draft_tokens += int(proposal.lengths.sum())
         stats.accepted_tokens += int(accepted.sum())
         stats.draft_seconds += draft_seconds
+        stats.catchup_seconds += catchup_seconds
         stats.verify_seconds += verify_seconds
         stats.compactions = self.target_cache.compactions
         if self.config.collect_step_stats:
@@ -328,6 +333,7 @@ class _Run:
                     draft_seconds=draft_seconds,
                     verify_seconds=verify_seconds,
                     target_tokens=target_tokens,
+                    catchup_seconds=catchup_seconds,
                 )
             )
 

@@ -29,6 +29,8 @@ class StepRecord:
     verify_seconds: float
     target_tokens: int
     """Tokens the target processed in the verify forward, padding included (`batch_size * (1 + max draft length)`)."""
+    catchup_seconds: float = 0.0
+    """Draft time spent catching up on a backlog (the draft's prompt prefill), excluded from `draft_seconds`."""
 
 
 @dataclass
@@ -46,6 +48,7 @@ class DynSpecStats:
     emitted_tokens: int = 0
     compactions: int = 0
     prefill_seconds: float = 0.0
+    catchup_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0

@@ -41,6 +41,8 @@ class BatchedProposer(ABC):
 
     #: proposer counts its own model forwards here (0 for model-free proposers)
     forwards: int = 0
+    #: seconds the last `propose` spent catching the proposer's model up on a backlog (its prefill), not drafting
+    catchup_seconds: float = 0.0
 
     def start(self, batch: TokenBatch) -> None:
         """Begin a new `generate` call on `batch` (the prompt plus the first generated token)."""

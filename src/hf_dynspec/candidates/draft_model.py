@@ -14,6 +14,10 @@ from ..processors import process_logits
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 
+MAX_INLINE_TAIL = 2
+"""Backlogs up to this width (the newest token, plus the last draft token after a bonus) ride in the first draft
+forward; wider ones are caught up in a forward of their own."""
+
 
 class DraftModelProposer(CandidateGenerator, BatchedProposer):
     """Proposes draft tokens with a smaller model that shares the target's vocabulary.
@@ -22,8 +26,12 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     tokens it has processed (`num_seen`). Each `propose` first feeds, in the same forward that predicts the first
     draft token, every committed token the draft has not seen yet: the new token of the last step and, when a row
     accepted all its draft tokens, the last draft token too (its KV was never computed, since the draft stops after
-    predicting it). So the bonus token never costs a separate draft pass, and a row that skipped speculation for a
-    while catches up in one forward.
+    predicting it). So the bonus token never costs a separate draft pass.
+
+    Longer backlogs (the prompt, the first time a row drafts, or the tokens of steps without speculation) are a
+    *catch-up*: one extra forward over all but the newest token, timed apart (`catchup_seconds`) so that policies
+    learning draft costs are not misled by what is really the draft's prefill. The prompt is caught up lazily, only
+    once some row drafts, so a batch that never speculates never runs the draft at all.
 
     As a transformers `CandidateGenerator` it also runs inside transformers' own batch-1 assisted loop.
     """
@@ -61,7 +69,8 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     def propose(self, batch: TokenBatch, lengths: torch.LongTensor, early_stop: EarlyStop | None = None) -> Proposal:
         lengths = lengths.clone()
         ids, mask, positions = batch.tail(self.num_seen)  # [batch, tail]
-        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed in the first forward
+        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
+        ids, mask, positions = self._catch_up_backlog(ids, mask, positions)
         tokens, probs = [], []
         for position in range(int(lengths.max())):
             scores = self._forward(ids, mask, positions)  # [batch, vocab]
@@ -96,6 +105,18 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.num_seen = None
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+    def _catch_up_backlog(
+        self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        """Feed all but the newest column of a tail wider than `MAX_INLINE_TAIL` in a timed forward of its own."""
+        self.catchup_seconds = 0.0
+        if ids.shape[1] <= MAX_INLINE_TAIL:
+            return ids, mask, positions
+        start = self.placement.clock()
+        self._forward(ids[:, :-1], mask[:, :-1], positions[:, :-1])
+        self.catchup_seconds = self.placement.clock() - start
+        return ids[:, -1:], mask[:, -1:], positions[:, -1:]
+
     def _forward(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
         """One draft forward over `[batch, width]` new tokens; returns float32 logits `[batch, vocab]` of the last."""
         self.forwards += 1

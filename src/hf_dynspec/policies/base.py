@@ -31,7 +31,8 @@ class StepFeedback:
     """What happened in a step, given to `DraftLengthPolicy.observe` after verification.
 
     The loop pads draft tokens to the longest row, so the target processes `batch_size * (1 + max(draft_lengths))`
-    tokens in the verify forward (`target_tokens`), and the draft model runs `max(draft_lengths)` forwards.
+    tokens in the verify forward (`target_tokens`), and the draft model runs `max(draft_lengths)` forwards in
+    `draft_seconds`. A draft catching up on a backlog (its prompt prefill) spends `catchup_seconds` on top.
     """
 
     row_ids: torch.LongTensor  # [batch]
@@ -41,6 +42,7 @@ class StepFeedback:
     draft_seconds: float
     verify_seconds: float
     target_tokens: int
+    catchup_seconds: float = 0.0  # draft catch-up on a backlog (its prefill), not included in draft_seconds
 
     @property
     def batch_size(self) -> int:
