@@ -103,6 +103,12 @@ def test_streamer_receives_every_token(models):
     assert torch.equal(torch.cat(streamer.chunks[1:]), out[0, ids.shape[1] :])  # chunk 0 is the prompt
 
 
+def test_streamer_needs_batch_size_one(models, inputs):
+    target, draft = models
+    with pytest.raises(ValueError, match="streams batch size 1 only"):
+        hf_dynspec.generate(target, **inputs, assistant_model=draft, max_new_tokens=5, streamer=Recorder())
+
+
 class StopAfterToken(StoppingCriteria):
     def __init__(self, token: int):
         self.token = token

@@ -66,7 +66,7 @@ def speculative_loop(
     """
     assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
     config = _resolve_config(dynspec_config, generation_config)
-    validate_inputs(model, assistant_model, input_ids, generation_config, model_kwargs, synced_gpus)
+    validate_inputs(model, assistant_model, input_ids, generation_config, model_kwargs, synced_gpus, streamer)
     run = _Run(model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config)
     run.policy = build_policy(config, dynspec_policy)
     run.streamer = streamer

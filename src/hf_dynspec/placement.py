@@ -50,7 +50,11 @@ class Placement:
         """One forward of `model` (target or draft) over new tokens, extending its ragged cache.
 
         Args:
-            ids, query_mask, positions: `[batch, width]` new tokens, 1 where real (0 on padding), and their positions.
+            model: the target or the draft model.
+            cache: that model's ragged cache; the new columns are registered in it.
+            ids: `[batch, width]` new tokens.
+            query_mask: `[batch, width]` 1 on real tokens, 0 on padding inside the block.
+            positions: `[batch, width]` position ids of the new tokens.
             keep: how many trailing positions need logits.
 
         Returns:

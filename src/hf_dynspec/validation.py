@@ -13,9 +13,15 @@ def validate_inputs(
     generation_config: GenerationConfig,
     model_kwargs: dict,
     synced_gpus: bool,
+    streamer=None,
 ) -> None:
     """Raise `ValueError` naming the problem and the fix for anything the loop cannot decode exactly."""
     _check_mode(generation_config, synced_gpus)
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError(
+            f"A streamer was given with batch size {input_ids.shape[0]}; the speculative loop streams batch size 1 "
+            "only (rows advance by different numbers of tokens per step). Generate without a streamer, or per row."
+        )
     _check_proposer(draft, generation_config)
     _check_model(model, "target model")
     if draft is not None:

@@ -1,0 +1,7 @@
+"""Proposers: draft tokens for every row of a batch (also usable as transformers `CandidateGenerator`s)."""
+
+from .base import BatchedProposer, Proposal
+from .draft_model import DraftModelProposer
+from .prompt_lookup import PromptLookupProposer
+
+__all__ = ["BatchedProposer", "DraftModelProposer", "PromptLookupProposer", "Proposal"]
