@@ -215,7 +215,9 @@ class _Run:
         return lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0)
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
-        """Bind the policy's `continue_drafting` hook to this step's rows."""
+        """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
+        if type(self.policy).continue_drafting is DraftLengthPolicy.continue_drafting:
+            return None
         return lambda position, probs: self.policy.continue_drafting(row_ids, position, probs)
 
     def _target_forward(

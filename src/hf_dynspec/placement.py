@@ -7,6 +7,8 @@ model's input-embedding device, and logits come back to the loop device as float
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -16,9 +18,14 @@ from transformers import PreTrainedModel
 from .cache import RaggedCache
 
 
+@functools.cache
+def _accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, int]:
     """`{"logits_to_keep": keep}` when the model's forward accepts it (it then computes only the last logits)."""
-    return {"logits_to_keep": keep} if model._supports_logits_to_keep() else {}
+    return {"logits_to_keep": keep} if _accepts_logits_to_keep(type(model)) else {}
 
 
 def input_device(model: PreTrainedModel) -> torch.device:
@@ -73,8 +80,8 @@ class Placement:
         return self.logits_to_loop(output.logits[:, -keep:])
 
     def logits_to_loop(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits from either model, as float32 on the loop device (a fresh tensor, safe to modify in place)."""
-        return logits.to(self.loop_device, dtype=torch.float32, copy=True)
+        """Logits from either model, as float32 on the loop device (a copy only when device or dtype differ)."""
+        return logits.to(self.loop_device, dtype=torch.float32)
 
     def clock(self) -> float:
         """Wall time after waiting for pending accelerator work, so step timings are honest."""
