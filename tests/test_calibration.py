@@ -14,12 +14,12 @@ from hf_dynspec.calibration import (
     calibrate,
     parse_int_list,
     time_call,
-    tiny_pair,
     uniform_draft_length,
     vllm_speculative_config,
 )
 from hf_dynspec.cli import main
 from hf_dynspec.estimators import DraftTiming, Profile, ProfileCostModel, TargetTiming
+from hf_dynspec.evaluation.tiny import tiny_pair
 from hf_dynspec.policies import BatchTablePolicy, PolicyInput, build_policy
 
 FAST = dict(batch_sizes=[1, 2], tokens_per_row=[1, 3], context_length=8, warmup=1, repeats=2)

@@ -228,20 +228,3 @@ def summarize(profile: Profile, batch_sizes: Sequence[int] | None = None) -> str
         lines.append(f"{b:5d} | " + " | ".join(cells) + f" | {draft_cell}")
     return "\n".join(lines)
 
-
-def tiny_pair(seed: int = 0, vocab_size: int = 128) -> tuple[PreTrainedModel, PreTrainedModel]:
-    """`(target, draft)`: random 2-layer and 1-layer Llama models built from configs (no weights to download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **settings)).eval()
-    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **settings)).eval()
-    return target, draft

@@ -112,7 +112,7 @@ def _models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module,
     if args.tiny:
         if args.target or args.draft:
             raise ValueError("--tiny builds its own models; drop --target/--draft (or drop --tiny).")
-        from ..calibration import tiny_pair
+        from ..evaluation.tiny import tiny_pair
 
         target, draft = tiny_pair(seed=args.seed)
         dtype = DTYPES[args.dtype]
