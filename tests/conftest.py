@@ -38,8 +38,8 @@ def tiny_model(
     settings.update(overrides)
     torch.manual_seed(seed)
     model = model_class(config_class(**settings)).to(dtype).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = settings["pad_token_id"]
+    model.generation_config.eos_token_id = settings["eos_token_id"]
     return model
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_dynspec.commands import export_hub as export_hub_command
 
@@ -30,19 +31,8 @@ def code_blocks(page: str) -> list[tuple[str, str]]:
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model("llama", seed, vocab=100, dtype=torch.float32, initializer_range=0.02,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

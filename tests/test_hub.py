@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_dynspec
 from hf_dynspec.commands import export_hub as export_hub_command
@@ -23,20 +24,8 @@ PAD, BOS, EOS = 0, 1, 2
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        dtype="float32",
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model("llama", seed, vocab=100, dtype=torch.float32, initializer_range=0.02,
+                      pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

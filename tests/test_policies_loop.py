@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
@@ -34,27 +32,9 @@ def linear_profile() -> dict:
 @pytest.fixture(scope="module")
 def models():
     """A tiny float32 Llama target and a draft that is the target with noise on its weights."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        eos_token_id=None,
-        bos_token_id=None,
-        initializer_range=0.3,
-    )
-    target = LlamaForCausalLM(config).float().eval()
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1 * parameter.std().clamp(min=1e-3))
-    for model in (target, draft):
-        model.generation_config.pad_token_id = PAD
+    target = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32, max_position_embeddings=256,
+                        eos_token_id=None, bos_token_id=None, pad_token_id=PAD)
+    draft = perturbed(target, scale=0.1)
     return target, draft
 
 
