@@ -16,6 +16,7 @@ from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.prompt_lookup import PromptLookupProposer
 from .config import DynSpecConfig
+from .distributed import DecisionBroadcast
 from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, StepFeedback, build_policy
 from .processors import process_logits
@@ -92,6 +93,7 @@ class _Run:
         self.logits_processor = logits_processor
         self.extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.placement = Placement.of(input_ids.device, model, draft)
+        self.decisions = DecisionBroadcast.for_run(model, draft, self.placement)  # rank 0 decides when sharded
         self.do_sample = bool(generation_config.do_sample)
         eos = generation_config._eos_token_tensor
         self.eos = eos.reshape(-1).to(input_ids.device) if eos is not None else None
@@ -180,7 +182,8 @@ class _Run:
         start = self.placement.clock()
         early_stop = self._early_stop_for(batch.row_ids)
         if int(requested.max()) > 0:
-            proposal, catchup = self.proposer.propose(batch, requested, early_stop), self.proposer.catchup_seconds
+            proposal = self.decisions.proposal(self.proposer.propose(batch, requested, early_stop))
+            catchup = self.proposer.catchup_seconds
         else:
             proposal, catchup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0
         drafted = self.placement.clock()
@@ -212,7 +215,7 @@ class _Run:
                 f"Policy {type(self.policy).__name__} returned draft lengths {lengths.tolist()}; expected "
                 f"{batch.batch_size} non-negative integers (one per active row)."
             )
-        return lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0)
+        return self.decisions.lengths(lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0))
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
@@ -235,8 +238,8 @@ class _Run:
         draft_probs: torch.Tensor | None,
     ) -> tuple[torch.LongTensor, torch.LongTensor]:
         if self.do_sample:
-            return verify_sampling(scores.softmax(dim=-1), drafts, lengths, draft_probs)
-        return verify_greedy(scores, drafts, lengths)
+            return self.decisions.verdict(*verify_sampling(scores.softmax(dim=-1), drafts, lengths, draft_probs))
+        return self.decisions.verdict(*verify_greedy(scores, drafts, lengths))
 
     # ---- emitting tokens and finishing rows --------------------------------------------------------------------------
     def _emit(

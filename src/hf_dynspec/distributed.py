@@ -1,0 +1,142 @@
+"""Rank 0 decides, every rank follows: the loop's decisions under a tensor-parallel target.
+
+A target loaded with `tp_plan="auto"` under `torchrun` is sharded over the ranks of its tensor-parallel group, and
+every rank runs the same speculative loop with a full copy of the draft. Each target forward is a collective: every
+rank must feed the same ids of the same shape, or the collectives hang or mix different batches. Three decisions of
+the loop can differ between ranks:
+
+- the draft lengths: policies such as `goodput` learn from wall-clock timings, which differ per rank;
+- the proposal: a sampling draft draws from each rank's own random state, and a policy's early stop depends on it;
+- the verifier's output: rejection sampling draws from each rank's own random state too.
+
+`DecisionBroadcast` makes rank 0 of the target's tensor-parallel group decide all three and sends the decision to the
+other ranks, so every rank emits the same tokens whatever its timings or random state. Everything else (emitting,
+finishing rows, cache bookkeeping) follows from these decisions deterministically. Outside a tensor-parallel run it
+is a no-op that returns its inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from .candidates.base import Proposal
+from .placement import Placement
+
+
+def tensor_parallel_group(model: PreTrainedModel) -> dist.ProcessGroup | None:
+    """The process group `model` is sharded over, or `None` when it is not sharded (or in a single process).
+
+    Transformers' `tp_plan` / `DistributedConfig` loading exposes the mesh; a model sharded by other means (its
+    parameters are `DTensor`s) is taken to span the default group.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    mesh = _tensor_parallel_mesh(model)
+    if mesh is not None:
+        return mesh.get_group() if mesh.size() > 1 else None
+    if _has_sharded_parameters(model):
+        return dist.group.WORLD
+    return None
+
+
+def _tensor_parallel_mesh(model: PreTrainedModel):
+    """The `tp` device mesh transformers built for `model`, or `None`."""
+    manager = getattr(model, "_mesh_manager", None)
+    if manager is not None:
+        try:
+            return manager.get_mesh("tp")
+        except (KeyError, RuntimeError, ValueError):
+            pass
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        return mesh["tp"]
+    return None
+
+
+def _has_sharded_parameters(model: PreTrainedModel) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+class DecisionBroadcast:
+    """Broadcasts the loop's per-step decisions from rank 0 of the target's tensor-parallel group.
+
+    Built once per `generate` call (`for_run`). With `group=None` every method returns its input unchanged.
+    Tensors travel on the CPU when the group's backend is gloo (which cannot send accelerator tensors), otherwise
+    on the loop device, and come back on the device they were given on.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, loop_device: torch.device) -> None:
+        self.group = group
+        self.enabled = group is not None
+        self.is_source = not self.enabled or dist.get_rank(group) == 0
+        backend = str(dist.get_backend(group)) if self.enabled else ""
+        self.transport = torch.device("cpu") if "gloo" in backend else loop_device
+
+    @classmethod
+    def for_run(
+        cls, target: PreTrainedModel, draft: PreTrainedModel | None, placement: Placement
+    ) -> DecisionBroadcast:
+        """The broadcaster of one `generate` call; checks that a tensor-parallel target has a usable draft."""
+        group = tensor_parallel_group(target)
+        if group is not None and draft is not None:
+            _check_draft(draft, placement)
+        return cls(group, placement.loop_device)
+
+    def lengths(self, lengths: torch.LongTensor) -> torch.LongTensor:
+        """Rank 0's draft lengths `[batch]` (the policy's choice, already capped)."""
+        if not self.enabled:
+            return lengths
+        return self._broadcast(lengths)
+
+    def proposal(self, proposal: Proposal) -> Proposal:
+        """Rank 0's draft tokens `[batch, width]` and lengths `[batch]`.
+
+        The draft probabilities (`[batch, width, vocab]`, sampling only) are not sent: only rank 0's verifier output
+        counts (`verdict`), and it is computed with rank 0's own probabilities. The other ranks keep `probs=None`,
+        so their (discarded) verification never reads probabilities of tokens they did not propose. Under greedy
+        decoding every rank's draft proposes the same tokens anyway.
+        """
+        if not self.enabled:
+            return proposal
+        batch = proposal.lengths.shape[0]
+        width = int(self._broadcast(torch.tensor([proposal.max_length]))[0])
+        packed = torch.cat([proposal.lengths.unsqueeze(1), proposal.tokens], dim=1)  # [batch, 1 + local width]
+        if not self.is_source:
+            packed = proposal.tokens.new_zeros((batch, 1 + width))  # [batch, 1 + width], filled by the broadcast
+        packed = self._broadcast(packed)
+        probs = proposal.probs if self.is_source else None
+        return Proposal(tokens=packed[:, 1:], lengths=packed[:, 0], probs=probs)
+
+    def verdict(
+        self, accepted: torch.LongTensor, next_tokens: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """Rank 0's accepted counts `[batch]` and next tokens `[batch]` (recovered or bonus tokens)."""
+        if not self.enabled:
+            return accepted, next_tokens
+        both = self._broadcast(torch.stack([accepted, next_tokens]))  # [2, batch]
+        return both[0], both[1]
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's value of `tensor` (same shape and dtype on every rank), on `tensor`'s device; never in place."""
+        buffer = tensor.to(self.transport, copy=True).contiguous()
+        dist.broadcast(buffer, group=self.group, group_src=0)
+        return buffer.to(tensor.device)
+
+
+def _check_draft(draft: PreTrainedModel, placement: Placement) -> None:
+    """A tensor-parallel target needs a full draft copy on each rank's own device."""
+    if tensor_parallel_group(draft) is not None:
+        raise ValueError(
+            "The draft model is sharded (tensor-parallel) like the target. hf_dynspec runs a full copy of the draft on "
+            "every rank: load the draft without `tp_plan` / `distributed_config`."
+        )
+    if placement.draft_device != placement.target_device:
+        raise ValueError(
+            f"The target is tensor-parallel and this rank's shard is on {placement.target_device}, but the draft is on "
+            f"{placement.draft_device}. Every rank needs its own copy of the draft on its own device: call "
+            "`draft.to(model.device)` on every rank."
+        )
