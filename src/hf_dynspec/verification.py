@@ -12,7 +12,13 @@ otherwise sampling from `norm(max(0, p - q))` yields tokens distributed exactly 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .candidates.tree import TokenTree
 
 
 def _placeholder_mask(lengths: torch.LongTensor, width: int) -> torch.BoolTensor:
@@ -94,3 +100,123 @@ def _residual(
     total = residual.sum(dim=1, keepdim=True)
     # A zero residual means p <= q everywhere, i.e. p == q, where rejection has probability 0: fall back to p.
     return torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny), p_next)
+
+
+# ---- token trees -----------------------------------------------------------------------------------------------------
+# A tree (`candidates.tree.TokenTree`) gives each row several candidate continuations; node 0 is the root (the newest
+# committed token) and the target's scores at node `j` are its distribution over `j`'s children. The verifier walks
+# from the root and accepts the longest path it can; the next token is recovered at the node where it stops, or a
+# bonus token when that node is a leaf. A chain given as a tree (`TokenTree.from_chain`) gives exactly what
+# `verify_greedy` gives, and with the same generator the same samples as `verify_sampling`.
+
+
+@dataclass
+class TreeVerification:
+    """Outcome of verifying a `TokenTree`: the accepted path of every row and the token after it."""
+
+    accepted: torch.LongTensor  # [batch] draft tokens accepted = depth of the last accepted node
+    last_node: torch.LongTensor  # [batch] last accepted node (0, the root, when nothing was accepted)
+    path: torch.LongTensor  # [batch, max_depth] accepted nodes from depth 1 on, padded with -1
+    kept: torch.BoolTensor  # [batch, nodes] the root and the accepted nodes: their KV columns stay valid
+    next_tokens: torch.LongTensor  # [batch] recovered token, or bonus token after a leaf
+    emitted: torch.LongTensor  # [batch, max_depth + 1] accepted tokens then the next token (`accepted + 1` each)
+
+
+def verify_tree_greedy(
+    target_scores: torch.Tensor,  # [batch, nodes, vocab] processed target scores at every node
+    tree: TokenTree,
+) -> TreeVerification:
+    """Follow the target's argmax from the root: accept the longest path of nodes that each equal it.
+
+    The emitted tokens are exactly those of plain greedy decoding.
+    """
+    target_tokens = target_scores.argmax(dim=-1)  # [batch, nodes]
+    wanted = target_tokens.gather(1, tree.parents.clamp(min=0))  # [batch, nodes] argmax at each node's parent
+    matches = tree.valid & ((tree.tokens == wanted) | (tree.parents < 0))  # the root always "matches"
+    paths = tree.paths()  # [batch, nodes, max_depth + 1]
+    path_matches = matches.gather(1, paths.clamp(min=0).flatten(1)).view_as(paths) | (paths < 0)
+    reachable = path_matches.all(dim=2) & tree.valid  # [batch, nodes] every node from the root to here matches
+    # Siblings carry distinct tokens, so at most one node per depth is reachable: the deepest ends the path.
+    last_node = torch.where(reachable, tree.depths, -1).argmax(dim=1)  # [batch]
+    next_tokens = target_tokens.gather(1, last_node.unsqueeze(1)).squeeze(1)
+    return _tree_outcome(tree, last_node, next_tokens, paths)
+
+
+def verify_tree_sampling(
+    target_probs: torch.Tensor,  # [batch, nodes, vocab] p at every node
+    tree: TokenTree,
+    draft_probs: torch.Tensor | None,  # [batch, nodes, vocab] q each node's children were drawn from; None = fixed
+    generator: torch.Generator | None = None,
+) -> TreeVerification:
+    """Multi-draft recursive rejection sampling (SpecInfer), for children drawn without replacement (SpecTr).
+
+    At a node with distribution `p` the children `x_1, x_2, ...` are tried in node order: `x_i` is accepted with
+    probability `min(1, p_i(x_i) / q_i(x_i))`. On rejection `p_{i+1} = norm(max(0, p_i - q_i))` and, when the
+    children were sampled from `q` without replacement, `q_{i+1} = q_i` with `x_i` removed and renormalised. When
+    every child is rejected the recovered token is sampled from the last `p_i`; after an accepted leaf the bonus
+    token is sampled from the leaf's `p`. With `draft_probs=None` each child is a fixed proposal (`q_i` one-hot on
+    `x_i`, e.g. prompt-lookup children), which is exact too: each rejection removes `x_i` from `p`. Either way the
+    emitted tokens follow `p` exactly.
+    """
+    batch, nodes = tree.tokens.shape
+    rows = torch.arange(batch, device=tree.tokens.device)
+    uniform = torch.rand((batch, nodes - 1), device=target_probs.device, generator=generator)  # one per draft node
+    children = tree.children()  # [batch, nodes, max_children]
+    current = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)  # node each row stands at
+    descending = torch.ones(batch, dtype=torch.bool, device=tree.tokens.device)
+    distribution = torch.zeros_like(target_probs[:, 0])  # [batch, vocab] where each row samples its next token
+    for _ in range(tree.max_depth + 1):
+        p = target_probs[rows, current]  # [batch, vocab]
+        q = None if draft_probs is None else draft_probs[rows, current]
+        moved_to, moved = current.clone(), torch.zeros_like(descending)
+        for rank in range(children.shape[2]):
+            child = children[rows, current, rank]  # [batch]
+            trying = descending & ~moved & (child >= 0)
+            if not bool(trying.any()):
+                break
+            token = tree.tokens.gather(1, child.clamp(min=0).unsqueeze(1))  # [batch, 1]
+            q_child = torch.zeros_like(p).scatter_(1, token, 1.0) if q is None else q
+            p_token, q_token = p.gather(1, token).squeeze(1), q_child.gather(1, token).squeeze(1)
+            accept = trying & (uniform[rows, (child - 1).clamp(min=0)] * q_token < p_token)
+            moved_to, moved = torch.where(accept, child, moved_to), moved | accept
+            rejected = (trying & ~accept).unsqueeze(1)
+            p = torch.where(rejected, _reject_residual(p, q_child), p)
+            if q is not None:
+                q = torch.where(rejected, _without_token(q, token), q)
+        distribution = torch.where((descending & ~moved).unsqueeze(1), p, distribution)
+        descending, current = descending & moved, moved_to
+        if not bool(descending.any()):
+            break
+    next_tokens = torch.multinomial(distribution, 1, generator=generator).squeeze(1)
+    return _tree_outcome(tree, current, next_tokens, tree.paths())
+
+
+def _reject_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`norm(max(0, p - q))` (`[batch, vocab]`), computed as `_residual` does; `p` where that is all zero."""
+    residual = (p - q).clamp(min=0)
+    total = residual.sum(dim=1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny), p)
+
+
+def _without_token(q: torch.Tensor, token: torch.LongTensor) -> torch.Tensor:
+    """`q` (`[batch, vocab]`) with `token` (`[batch, 1]`) removed and renormalised: the next draw without replacement."""
+    removed = q.scatter(1, token, 0.0)
+    total = removed.sum(dim=1, keepdim=True)
+    return removed / total.clamp(min=torch.finfo(q.dtype).tiny)
+
+
+def _tree_outcome(
+    tree: TokenTree,
+    last_node: torch.LongTensor,  # [batch]
+    next_tokens: torch.LongTensor,  # [batch]
+    paths: torch.LongTensor,  # [batch, nodes, max_depth + 1]
+) -> TreeVerification:
+    rows = torch.arange(tree.batch_size, device=tree.tokens.device)
+    accepted = tree.depths[rows, last_node]  # [batch]
+    path = paths[rows, last_node, 1:]  # [batch, max_depth]
+    kept = torch.zeros_like(tree.valid)
+    kept.scatter_(1, paths[rows, last_node].clamp(min=0), True)  # -1 padding re-marks the root, which is kept anyway
+    emitted = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), 0)
+    emitted = torch.cat([emitted, next_tokens.unsqueeze(1)], dim=1)  # [batch, max_depth + 1]
+    emitted.scatter_(1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
+    return TreeVerification(accepted, last_node, path, kept, next_tokens, emitted)
