@@ -3,5 +3,14 @@
 from .base import BatchedProposer, Proposal
 from .draft_model import DraftModelProposer
 from .prompt_lookup import PromptLookupProposer
+from .tree import TokenTree
+from .trie import prompt_lookup_tree
 
-__all__ = ["BatchedProposer", "DraftModelProposer", "PromptLookupProposer", "Proposal"]
+__all__ = [
+    "BatchedProposer",
+    "DraftModelProposer",
+    "PromptLookupProposer",
+    "Proposal",
+    "TokenTree",
+    "prompt_lookup_tree",
+]
