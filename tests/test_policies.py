@@ -191,6 +191,8 @@ def measured_profile() -> Profile:
 
 
 def goodput_with_acceptance(value: float, **options) -> GoodputPolicy:
+    """The search alone (no loss budget unless `options` sets one), on a measured profile."""
+    options.setdefault("loss_budget", None)
     settings = GoodputSettings(cost_model="profile", profile=measured_profile().to_dict(), prior_acceptance=value,
                                **options)
     return GoodputPolicy(settings)

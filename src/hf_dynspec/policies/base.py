@@ -20,6 +20,8 @@ class PolicyInput:
     row_ids: torch.LongTensor  # [batch] original batch index of each active row
     remaining_tokens: torch.LongTensor  # [batch] tokens each row may still emit before its length limit
     max_draft_tokens: int  # upper bound on any row's draft length (DynSpecConfig.num_speculative_tokens)
+    backlog: torch.LongTensor | None = None  # [batch] tokens the draft model must catch up on before it drafts
+    free_lengths: torch.LongTensor | None = None  # [batch] draft tokens a model-free proposal offers (hybrid only)
 
     @property
     def batch_size(self) -> int:
@@ -43,10 +45,26 @@ class StepFeedback:
     verify_seconds: float
     target_tokens: int
     catchup_seconds: float = 0.0  # draft catch-up on a backlog (its prefill), not included in draft_seconds
+    catchup_tokens: int = 0  # tokens the draft processed in that catch-up forward, padding included
+    free_rows: torch.BoolTensor | None = None  # [batch] rows served by the model-free proposal (hybrid only)
 
     @property
     def batch_size(self) -> int:
         return int(self.row_ids.shape[0])
+
+
+@dataclass
+class PrefillFeedback:
+    """The target's prefill of a `generate` call, given to `DraftLengthPolicy.observe_prefill` before the first step.
+
+    `draft_cost_ratio` (the draft's parameter count over the target's) lets a policy price the draft's own prefill
+    before paying it; it is `None` without a draft model.
+    """
+
+    batch_size: int
+    tokens: int  # tokens the target processed, padding included (batch_size * prompt width)
+    seconds: float
+    draft_cost_ratio: float | None = None
 
 
 class DraftLengthPolicy(ABC):
@@ -65,8 +83,19 @@ class DraftLengthPolicy(ABC):
     def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
         """Return `torch.LongTensor` of shape `(batch,)` with values in `[0, request.max_draft_tokens]`."""
 
+    def observe_prefill(self, feedback: PrefillFeedback) -> None:
+        """Learn from the target's prefill of this call (called once, after `reset`, before the first step)."""
+
     def observe(self, feedback: StepFeedback) -> None:
         """Learn from a finished step (accepted counts, timings)."""
+
+    def free_rows(self, request: PolicyInput) -> torch.BoolTensor | None:
+        """`[batch]` True where a row's draft tokens should come from the model-free proposal (hybrid proposers).
+
+        Called right after `draft_lengths` with the same request; `None` lets the proposer choose (lookup where it
+        has a continuation).
+        """
+        return None
 
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor

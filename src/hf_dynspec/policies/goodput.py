@@ -6,6 +6,12 @@ tokens in expectation, and the step takes `C(k)` seconds (a cost model over the 
     k* = argmax_k  sum_i E_i(k_i) / C(k),   0 <= k_i <= min(max_draft_tokens, remaining_i - 1)
 
 so `k = 0` everywhere (plain decoding) whenever nothing beats it. See `best_draft_lengths` for the search.
+
+The controller is conservative: a step that drafts is taken only if, even when it accepts nothing, the call stays
+within `loss_budget` of plain decoding's time (`hf_dynspec.budget.LossBudget`); the draft's catch-up forwards (its
+prompt prefill the first time it drafts, the tokens of plain steps afterwards) are priced into every decision
+before they are paid. With a hybrid proposer every row may also take its draft tokens from prompt lookup, which
+costs no draft forward; each source has its own acceptance estimate per row.
 """
 
 from __future__ import annotations
@@ -18,17 +24,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..budget import CatchupCost, LossBudget
+from ..candidates.draft_model import MAX_INLINE_TAIL
 from ..estimators import (
     AcceptanceEstimator,
     OnlineCostModel,
+    PaddedCostModel,
     Profile,
     ProfileCostModel,
     StepCostModel,
     check_int,
     check_open_unit,
     check_positive,
+    expected_tokens,
 )
-from .base import DraftLengthPolicy, PolicyInput, StepFeedback
+from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .confidence import ConfidenceSettings, ConfidenceStopper
 
 COST_MODELS = ("online", "profile")
@@ -147,6 +157,14 @@ class GoodputSettings:
     )
     probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
     min_gain: float = field(default=0.0, metadata={"help": "Relative margin speculation must win by over plain steps."})
+    loss_budget: float | None = field(
+        default=0.02,
+        metadata={"help": "Largest fraction of plain decoding's time speculation may lose in a call (0 <= x < 1); "
+                  "None: no budget (the search alone decides)."},
+    )
+    lookup_prior_acceptance: float = field(
+        default=0.5, metadata={"help": "Hybrid proposer: prompt-lookup acceptance assumed before anything is observed."}
+    )
     early_stop: dict | bool | None = field(
         default=None,
         metadata={"help": "Confidence early stop: true for defaults or a dict of `confidence` options; off if None."},
@@ -160,6 +178,7 @@ class GoodputSettings:
         if self.profile is not None and not isinstance(self.profile, (str, Path, dict)):
             raise ValueError(f"`profile` must be a path or a dict, got {type(self.profile).__name__}.")
         check_open_unit("prior_acceptance", self.prior_acceptance)
+        check_open_unit("lookup_prior_acceptance", self.lookup_prior_acceptance)
         check_positive("prior_weight", self.prior_weight)
         decay = self.acceptance_decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
@@ -172,6 +191,7 @@ class GoodputSettings:
         _check_number("min_gain", self.min_gain, 0.0)
         _check_number("probe_z", self.probe_z, 0.0)
         check_int("probe_interval", self.probe_interval, 0)
+        LossBudget(self.loss_budget)  # validates
         if self.early_stop is not None and not isinstance(self.early_stop, (bool, dict)):
             raise ValueError(f"`early_stop` must be None, a bool or a dict of confidence options, got {self.early_stop!r}.")
 
@@ -185,15 +205,20 @@ class GoodputSettings:
 
 
 class GoodputPolicy(DraftLengthPolicy):
-    """Per-step draft lengths that maximise expected tokens per second under a step cost model.
+    """Per-step draft lengths that maximise expected tokens per second under a step cost model, within a loss budget.
 
     Each step: acceptance estimates per row (`AcceptanceEstimator`), caps `min(max, remaining - 1)`, then
-    `best_draft_lengths`. An online cost model may instead ask for one exploratory length (to measure a point it
-    lacks). After `probe_interval` consecutive plain steps the policy re-solves once with optimistic acceptance
-    (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
+    `best_draft_lengths`, with the draft's catch-up forward (when its backlog is too wide to ride in the first draft
+    forward) added to the price of every vector that drafts. An online cost model may instead ask for one exploratory
+    length (to measure a point it lacks). After `probe_interval` consecutive plain steps the policy re-solves once with
+    optimistic acceptance (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
+    Whatever the choice, a step that drafts runs only when `LossBudget.allows` it (see `hf_dynspec.budget`).
+
+    With a hybrid proposer (`PolicyInput.free_lengths`), three vectors compete: prompt lookup alone (no draft forward),
+    the draft model for every row, and each row's better source; `free_rows` reports the winner's lookup rows.
 
     `last_exploration` is the length the cost model asked to measure at the last step (`None`: the step was chosen
-    by the search).
+    by the search); `last_blocked` is true when the loss budget turned a drafting step into a plain one.
     """
 
     name = "goodput"
@@ -214,42 +239,70 @@ class GoodputPolicy(DraftLengthPolicy):
         s = self.settings
         self.cost_model = cost_model if cost_model is not None else _build_cost_model(s)
         self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
+        self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.stopper = _build_stopper(s.early_stop)
+        self.budget = LossBudget(s.loss_budget)
+        self.catchup = CatchupCost(s.window)
         self.plain_streak = 0
         self.last_exploration: int | None = None
+        self.last_blocked = False
+        self._free: torch.BoolTensor | None = None
 
     def reset(self, num_rows: int) -> None:
         self.acceptance.reset(num_rows)
+        self.lookup_acceptance.reset(num_rows)
         if self.stopper is not None:
             self.stopper.reset(num_rows)
+        self.budget.reset()
         self.plain_streak = 0
+
+    def observe_prefill(self, feedback: PrefillFeedback) -> None:
+        self.budget.start(feedback.seconds)
+        self.catchup.observe_prefill(feedback.seconds, feedback.tokens, feedback.draft_cost_ratio)
 
     def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
-        self.last_exploration = None
+        self.last_exploration, self.last_blocked, self._free = None, False, None
         if batch == 0 or max_k == 0:
             return torch.zeros(batch, dtype=torch.long)
+        catchup = self._catchup_seconds(request)
         self.last_exploration = self.cost_model.exploration_length(batch, max_k)
         if self.last_exploration is not None:
-            return caps.clamp(max=self.last_exploration)
-        acceptance = self.acceptance.mean(request.row_ids)
-        lengths = best_draft_lengths(acceptance, caps, max_k, self.cost_model, self.settings.min_gain)
-        if bool((lengths > 0).any()):
-            self.plain_streak = 0
-            return lengths
-        self.plain_streak += 1
-        if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
-            self.plain_streak = 0
-            optimistic = self.acceptance.upper(request.row_ids, self.settings.probe_z)
-            lengths = best_draft_lengths(optimistic, caps, max_k, self.cost_model, self.settings.min_gain)
+            lengths = caps.clamp(max=self.last_exploration)
+        else:
+            lengths, self._free = self._search(request, caps, catchup, optimistic=False)
+            if bool((lengths > 0).any()):
+                self.plain_streak = 0
+            else:
+                self.plain_streak += 1
+                if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
+                    self.plain_streak = 0
+                    lengths, self._free = self._search(request, caps, catchup, optimistic=True)
+        if bool((lengths > 0).any()) and not self._affordable(request, lengths, catchup):
+            self.last_blocked, self._free = True, None
+            lengths = torch.zeros_like(lengths)
         return lengths
 
+    def free_rows(self, request: PolicyInput) -> torch.BoolTensor | None:
+        return self._free
+
     def observe(self, feedback: StepFeedback) -> None:
-        self.acceptance.update(feedback.row_ids, feedback.draft_lengths, feedback.accepted)
+        free = feedback.free_rows.cpu() if feedback.free_rows is not None else None
+        by_draft = ~free if free is not None else torch.ones(feedback.batch_size, dtype=torch.bool)
+        rows, proposed, accepted = feedback.row_ids.cpu(), feedback.draft_lengths.cpu(), feedback.accepted.cpu()
+        self.acceptance.update(rows[by_draft], proposed[by_draft], accepted[by_draft])
+        if free is not None:
+            self.lookup_acceptance.update(rows[free], proposed[free], accepted[free])
         self.cost_model.observe(feedback)
+        self.catchup.observe(feedback.catchup_seconds, feedback.catchup_tokens)
         if self.stopper is not None:
             self.stopper.observe(feedback)
+        if feedback.batch_size:
+            plain = self._plain_seconds(feedback.batch_size)
+            catchup = self.catchup.seconds(feedback.catchup_tokens) if feedback.catchup_seconds > 0 else 0.0
+            spent = self._price(feedback.batch_size, proposed, free, catchup)
+            self.budget.record(plain * float((accepted + 1).double().mean()), spent)
 
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
@@ -257,6 +310,88 @@ class GoodputPolicy(DraftLengthPolicy):
         if self.stopper is None:
             return None
         return self.stopper.continue_drafting(row_ids, position, draft_probs)
+
+    # ---- pricing -----------------------------------------------------------------------------------------------
+    def _plain_seconds(self, batch: int) -> float:
+        return float(self.cost_model.step_seconds(batch, torch.zeros(batch, dtype=torch.long)))
+
+    def _catchup_seconds(self, request: PolicyInput) -> float:
+        """Predicted seconds of the draft's catch-up forward if it drafts this step (0 when the backlog rides inline)."""
+        if request.backlog is None or request.batch_size == 0:
+            return 0.0
+        width = int(request.backlog.max())
+        return self.catchup.seconds(request.batch_size * (width - 1)) if width > MAX_INLINE_TAIL else 0.0
+
+    def _price(self, batch: int, lengths: torch.LongTensor, free: torch.BoolTensor | None, catchup: float) -> float:
+        """Seconds of a step with `lengths` (`[batch]`), `free` rows served by prompt lookup, catch-up included."""
+        by_draft = lengths if free is None else torch.where(free, torch.zeros_like(lengths), lengths)
+        drafts = int(by_draft.max()) > 0
+        if isinstance(self.cost_model, PaddedCostModel) and free is not None:
+            longest = float(lengths.max())
+            verify = self.cost_model.verify
+            seconds = float(verify(np.array([batch * (1.0 + longest)]))[0]) if verify is not None else 1.0
+            per_forward = float(self.cost_model.draft(np.array([batch]))[0]) if self.cost_model.draft is not None else 0
+            seconds += float(by_draft.max()) * per_forward
+        else:
+            seconds = float(self.cost_model.step_seconds(batch, lengths))
+        return seconds + (catchup if drafts else 0.0)
+
+    def _affordable(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> bool:
+        """Whether the step stays within the loss budget even if it accepts nothing."""
+        batch = request.batch_size
+        plain = self._plain_seconds(batch)
+        worst = plain - self._price(batch, lengths.cpu(), self._free, catchup)
+        future = plain * float(request.remaining_tokens.max())
+        return self.budget.allows(worst, future)
+
+    # ---- the search ------------------------------------------------------------------------------------------------
+    def _search(
+        self, request: PolicyInput, caps: torch.LongTensor, catchup: float, optimistic: bool
+    ) -> tuple[torch.LongTensor, torch.BoolTensor | None]:
+        """The best length vector (and its lookup rows) over the sources the proposer offers."""
+        z, rows, max_k = self.settings.probe_z, request.row_ids, request.max_draft_tokens
+        by_draft = self.acceptance.upper(rows, z) if optimistic else self.acceptance.mean(rows)
+        priced = _WithCatchup(self.cost_model, catchup)
+        lengths = best_draft_lengths(by_draft, caps, max_k, priced, self.settings.min_gain)
+        if request.free_lengths is None:
+            return lengths, None
+        by_lookup = self.lookup_acceptance.upper(rows, z) if optimistic else self.lookup_acceptance.mean(rows)
+        lookup_caps = torch.minimum(caps, request.free_lengths.cpu())
+        lookup_only = best_draft_lengths(by_lookup, lookup_caps, max_k, _verify_only(self.cost_model))
+        better = (lookup_caps > 0) & (expected_tokens(by_lookup, lookup_caps) >= expected_tokens(by_draft, caps))
+        mixed = best_draft_lengths(
+            torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), max_k, priced
+        )
+        options = [(lengths, torch.zeros_like(better)), (lookup_only, lookup_only > 0), (mixed, better & (mixed > 0))]
+        return max(options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, catchup))
+
+    def _rate(self, batch, option, by_draft: torch.Tensor, by_lookup: torch.Tensor, catchup: float) -> float:
+        lengths, free = option
+        tokens = expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum()
+        return float(tokens) / self._price(batch, lengths, free, catchup)
+
+
+class _WithCatchup(StepCostModel):
+    """A cost model plus a fixed catch-up price on every vector that drafts."""
+
+    def __init__(self, inner: StepCostModel, catchup: float) -> None:
+        self.inner, self.catchup = inner, catchup
+
+    def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
+        extra = self.catchup if lengths.numel() and int(lengths.max()) > 0 else 0.0
+        return self.inner.step_seconds(batch_size, lengths) + extra
+
+    def candidate_seconds(self, batch_size: int, lengths: torch.LongTensor) -> torch.Tensor:
+        seconds = torch.as_tensor(self.inner.candidate_seconds(batch_size, lengths), dtype=torch.float64)
+        drafts = (lengths.max(dim=1).values > 0) if lengths.shape[1] else torch.zeros(lengths.shape[0], dtype=torch.bool)
+        return seconds + self.catchup * drafts.double()
+
+
+def _verify_only(cost_model: StepCostModel) -> StepCostModel:
+    """The verify part of a padded cost model: what a step costs when no draft forward runs (prompt lookup)."""
+    if isinstance(cost_model, PaddedCostModel):
+        return PaddedCostModel(cost_model.verify, None)
+    return cost_model
 
 
 def _build_cost_model(settings: GoodputSettings) -> StepCostModel:
