@@ -20,25 +20,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
+from transformers.distributed.fsdp import is_fsdp_managed_module
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .candidates.base import Proposal
 from .placement import Placement
 
 
 def tensor_parallel_group(model: PreTrainedModel) -> dist.ProcessGroup | None:
-    """The process group `model` is sharded over, or `None` when it is not sharded (or in a single process).
+    """The group of ranks `model` is tensor-parallel over (`tp_plan` / `DistributedConfig` loading), or `None`.
 
-    Transformers' `tp_plan` / `DistributedConfig` loading exposes the mesh; a model sharded by other means (its
-    parameters are `DTensor`s) is taken to span the default group.
+    `None` also in a single process, and for an unsharded model in a multi-process run: there each rank decodes its
+    own prompts (data parallelism), and its decisions are its own.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi_process():
         return None
     mesh = _tensor_parallel_mesh(model)
-    if mesh is not None:
-        return mesh.get_group() if mesh.size() > 1 else None
-    if _has_sharded_parameters(model):
-        return dist.group.WORLD
-    return None
+    return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+
+
+def _multi_process() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _tensor_parallel_mesh(model: PreTrainedModel):
@@ -53,12 +55,6 @@ def _tensor_parallel_mesh(model: PreTrainedModel):
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
         return mesh["tp"]
     return None
-
-
-def _has_sharded_parameters(model: PreTrainedModel) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 class DecisionBroadcast:
@@ -81,6 +77,7 @@ class DecisionBroadcast:
         cls, target: PreTrainedModel, draft: PreTrainedModel | None, placement: Placement
     ) -> DecisionBroadcast:
         """The broadcaster of one `generate` call; checks that a tensor-parallel target has a usable draft."""
+        _check_not_gathered_per_forward(target)
         group = tensor_parallel_group(target)
         if group is not None and draft is not None:
             _check_draft(draft, placement)
@@ -125,6 +122,17 @@ class DecisionBroadcast:
         buffer = tensor.to(self.transport, copy=True).contiguous()
         dist.broadcast(buffer, group=self.group, group_src=0)
         return buffer.to(tensor.device)
+
+
+def _check_not_gathered_per_forward(target: PreTrainedModel) -> None:
+    """Refuse DeepSpeed ZeRO-3 / FSDP targets, where transformers would set `synced_gpus` (it does not forward that
+    flag to a callable `custom_generate`, so the loop checks the condition itself)."""
+    if _multi_process() and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(target)):
+        raise ValueError(
+            "The target is sharded with DeepSpeed ZeRO-3 or FSDP, which needs synced_gpus=True (every rank runs "
+            "forwards until all have finished); that is not supported by the speculative loop. Shard the target with "
+            "tensor parallelism (`tp_plan=\"auto\"` under torchrun) instead, or generate with plain `generate`."
+        )
 
 
 def _check_draft(draft: PreTrainedModel, placement: Placement) -> None:
