@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -83,8 +84,17 @@ def ranks(models, inputs) -> list[dict]:
         str(folder / "inputs.pt"), str(out_dir),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    launch = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = launch.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)  # torchrun and both ranks (a hung collective never returns)
+        stdout, stderr = launch.communicate()
+        pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT} s (ranks disagreeing hang the collectives):\n"
+                    f"{stderr[-6000:]}")
+    assert launch.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
