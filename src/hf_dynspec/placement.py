@@ -1,8 +1,9 @@
 """Where draft and target live. Every move of ids, masks and logits between them goes through here.
 
 The loop works on the *loop device*: the device of the `input_ids` that `generate` prepared for the target. Draft
-and target may sit on different devices (or accelerate device maps) and use different dtypes; inputs go to each
-model's input-embedding device, and logits come back to the loop device as float32.
+and target may sit on different devices (or accelerate device maps, with CPU or disk offload) and use different dtypes
+or quantizations; inputs go to each model's input device (where its input embeddings run), and logits come back to the
+loop device as float32.
 """
 
 from __future__ import annotations
@@ -28,22 +29,84 @@ def logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, int]:
     return {"logits_to_keep": keep} if _accepts_logits_to_keep(type(model)) else {}
 
 
+def _hooks(module: torch.nn.Module) -> tuple:
+    """The module's accelerate hooks (its `_hf_hook`, or the hooks inside a `SequentialHook`)."""
+    hook = getattr(module, "_hf_hook", None)
+    return () if hook is None else tuple(getattr(hook, "hooks", (hook,)))
+
+
+def _hook_device(module: torch.nn.Module) -> torch.device | None:
+    """The execution device recorded in the module's accelerate hook (`AlignDevicesHook`), or `None`."""
+    for hook in _hooks(module):
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return None
+
+
 def input_device(model: PreTrainedModel) -> torch.device:
-    """The device a model's input ids must be on (its input embeddings' device, which works for device maps)."""
-    return model.get_input_embeddings().weight.device
+    """The device a model's input ids must be on: where its input embeddings run.
+
+    That is the execution device of the embeddings' accelerate hook when the model was dispatched with a device map
+    or offload (an offloaded embedding's weight sits on `meta` until the hook loads it), else the weight's device.
+    Raises `ValueError` when the weight is on `meta` and no hook would ever load it.
+    """
+    embeddings = model.get_input_embeddings()
+    hooked = _hook_device(embeddings) or _hook_device(model)
+    if hooked is not None:
+        return hooked
+    device = embeddings.weight.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{type(model).__name__}'s input embeddings are on the meta device without an accelerate hook to load "
+            "them, so the model cannot run. Load it with from_pretrained(..., device_map=...) (with max_memory / "
+            "offload_folder for offload), or dispatch it with accelerate's dispatch_model or cpu_offload."
+        )
+    return device
+
+
+def unloaded_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of parameters on `meta` that no accelerate hook loads before use.
+
+    An offloading hook (`AlignDevicesHook(offload=True)`, as `device_map` offload and `cpu_offload` attach) on the
+    parameter's module or a parent loads it; hooks that only move inputs and outputs do not.
+    """
+    names: list[str] = []
+
+    def visit(module: torch.nn.Module, prefix: str, hooked: bool) -> None:
+        hooked = hooked or any(getattr(hook, "offload", False) for hook in _hooks(module))
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.device.type == "meta" and not hooked:
+                names.append(prefix + name)
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.", hooked)
+
+    visit(model, "", False)
+    return names
+
+
+def model_devices(model: torch.nn.Module) -> set[torch.device]:
+    """Every device a model computes on: its parameters' devices (except `meta`) and its hooks' execution devices."""
+    devices = {parameter.device for parameter in model.parameters() if parameter.device.type != "meta"}
+    devices |= {device for module in model.modules() if (device := _hook_device(module)) is not None}
+    return devices
 
 
 @dataclass
 class Placement:
-    """The loop device and the input devices of target and draft."""
+    """The loop device, the input devices of target and draft, and every CUDA device either model computes on."""
 
     loop_device: torch.device
     target_device: torch.device
     draft_device: torch.device | None
+    cuda_devices: tuple[torch.device, ...] = ()
+    """Devices `clock` waits for: all CUDA devices of both models (a device map may span several)."""
 
     @classmethod
     def of(cls, loop_device: torch.device, target: PreTrainedModel, draft: PreTrainedModel | None) -> Placement:
-        return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None)
+        devices = model_devices(target) | (model_devices(draft) if draft is not None else set()) | {loop_device}
+        cuda = tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
+        return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None, cuda)
 
     def forward(
         self,
@@ -84,8 +147,10 @@ class Placement:
         return logits.to(self.loop_device, dtype=torch.float32)
 
     def clock(self) -> float:
-        """Wall time after waiting for pending accelerator work, so step timings are honest."""
-        for device in {self.target_device, self.draft_device} - {None}:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        """Wall time after waiting for pending CUDA work on every device of both models, so step timings are honest.
+
+        On a CPU every forward (and every accelerate offload copy) is synchronous, so no wait is needed there.
+        """
+        for device in self.cuda_devices:
+            torch.cuda.synchronize(device)
         return time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from .placement import unloaded_parameters
+
 
 def validate_inputs(
     model: PreTrainedModel,
@@ -84,6 +86,14 @@ def _check_proposer(draft: PreTrainedModel | None, generation_config: Generation
 
 
 def _check_model(model: PreTrainedModel, who: str) -> None:
+    unloaded = unloaded_parameters(model)
+    if unloaded:
+        raise ValueError(
+            f"The {who} has {len(unloaded)} parameters on the meta device with no accelerate hook to load them "
+            f"({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}), so it cannot run. Load its weights, "
+            "e.g. from_pretrained(..., device_map=...) with max_memory / offload_folder for offload, or dispatch it "
+            "with accelerate's dispatch_model or cpu_offload."
+        )
     if model.config.is_encoder_decoder:
         raise ValueError(f"The {who} is an encoder-decoder model; hf_dynspec supports decoder-only models.")
     if getattr(model, "_is_stateful", False):

@@ -1,0 +1,219 @@
+"""Models placed the way users load them: accelerate offload (CPU and disk), bfloat16 and bitsandbytes drafts,
+a bitsandbytes target, and clear errors for placements that cannot run.
+
+Every model is built from a config, saved with `save_pretrained` and reloaded with `from_pretrained`, as a user would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import cpu_offload, init_empty_weights
+from conftest import left_padded_prompts, perturbed, tiny_model
+from test_sampling import NEW, assert_converges, exact_joint, sample_loop
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.placement import Placement, input_device, model_devices, unloaded_parameters
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+MAX_NEW = 16
+# hidden size 64: bitsandbytes' 4-bit CPU kernels quantize in blocks of 64 input features
+SIZES = dict(hidden_size=64, intermediate_size=128)
+# embeddings, the second layer and the head on disk: the input embeddings' weight stays on `meta`
+DISK_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+            "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Paths of a saved tiny Llama target, a draft that agrees with it part of the time, and a Qwen2 target."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    target = tiny_model("llama", seed=0, dtype=torch.float32, **SIZES)
+    target.save_pretrained(root / "target")
+    perturbed(target, scale=0.05).save_pretrained(root / "draft")
+    tiny_model("qwen2", seed=1, dtype=torch.float32, **SIZES).save_pretrained(root / "qwen2")
+    return root
+
+
+def load(path, **kwargs):
+    kwargs.setdefault("dtype", torch.float64)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def bnb_config(bits: int):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    if bits == 8:
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+
+
+def prompts():
+    return left_padded_prompts([5, 9, 3], seed=2)
+
+
+def plain(target) -> torch.Tensor:
+    ids, mask = prompts()
+    return target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+
+
+def speculative(target, draft, k: int = 3, **kwargs) -> torch.Tensor:
+    ids, mask = prompts()
+    return target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=k),
+        **kwargs,
+    )
+
+
+# ---- offload ------------------------------------------------------------------------------------------------------
+def test_cpu_offloaded_target_matches_plain_generate(saved):
+    reference = plain(load(saved / "target"))
+    target = load(saved / "target")
+    cpu_offload(target, execution_device=torch.device("cpu"))  # weights kept aside, loaded by hooks per forward
+    assert target.get_input_embeddings().weight.device.type == "meta"
+    assert input_device(target) == torch.device("cpu")
+    assert torch.equal(speculative(target, load(saved / "draft")), reference)
+
+
+@pytest.mark.parametrize("model_name", ["target", "qwen2"])
+def test_disk_offloaded_target_matches_plain_generate(saved, tmp_path, model_name):
+    reference = plain(load(saved / model_name))
+    target = load(saved / model_name, device_map=DISK_MAP, offload_folder=tmp_path / "offload")
+    assert "disk" in target.hf_device_map.values()
+    assert target.get_input_embeddings().weight.device.type == "meta"
+    assert unloaded_parameters(target) == []
+    draft = load(saved / "draft") if model_name == "target" else perturbed(load(saved / model_name), scale=0.05)
+    assert torch.equal(speculative(target, draft), reference)
+
+
+def test_max_memory_offload_of_target_and_draft_matches_plain_generate(saved, tmp_path):
+    reference = plain(load(saved / "target"))
+    # float64 weights: 96 x 64 x 8 bytes = 48 KiB per embedding, so 64 KiB keeps only the first modules in memory
+    target = load(saved / "target", device_map="auto", max_memory={"cpu": "64KiB"}, offload_folder=tmp_path / "t")
+    draft = load(saved / "draft", device_map="auto", max_memory={"cpu": "64KiB"}, offload_folder=tmp_path / "d")
+    assert "disk" in target.hf_device_map.values() and "disk" in draft.hf_device_map.values()
+    out = speculative(target, draft, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert out.dynspec_stats.accepted_tokens > 0
+
+
+def test_placement_of_an_offloaded_model_names_its_execution_device(saved, tmp_path):
+    target = load(saved / "target", device_map={"": "disk"}, offload_folder=tmp_path / "offload")
+    assert {p.device.type for p in target.parameters()} == {"meta"}
+    assert model_devices(target) == {torch.device("cpu")}
+    placement = Placement.of(torch.device("cpu"), target, load(saved / "draft"))
+    assert (placement.target_device, placement.draft_device, placement.cuda_devices) == (
+        torch.device("cpu"), torch.device("cpu"), ())
+
+
+# ---- dtypes and quantized drafts ----------------------------------------------------------------------------------
+def test_bfloat16_draft_beside_float32_target_matches_plain_generate(saved):
+    target = load(saved / "target", dtype=torch.float32)
+    draft = load(saved / "draft", dtype=torch.bfloat16)
+    assert draft.dtype == torch.bfloat16
+    assert torch.equal(speculative(target, draft), plain(target))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bitsandbytes_draft_matches_plain_generate(saved, bits):
+    target = load(saved / "target")
+    draft = load(saved / "draft", dtype=torch.float32, quantization_config=bnb_config(bits), device_map="cpu")
+    assert getattr(draft, f"is_loaded_in_{bits}bit")
+    out = speculative(target, draft, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain(target))
+    assert out.dynspec_stats.accepted_tokens > 0  # the quantized draft's tokens are used
+
+
+def test_bitsandbytes_target_matches_its_own_plain_generate(saved):
+    target = load(saved / "target", dtype=torch.float32, quantization_config=bnb_config(8), device_map="cpu")
+    assert target.is_loaded_in_8bit
+    assert torch.equal(speculative(target, load(saved / "draft", dtype=torch.float32)), plain(target))
+
+
+def test_sampling_with_a_quantized_draft_follows_the_target(tmp_path):
+    vocab = 6
+    target = tiny_model("llama", seed=4, vocab=vocab, eos_token_id=None, dtype=torch.float32)
+    target.generation_config.eos_token_id = None
+    perturbed(target, scale=0.3, seed=8).save_pretrained(tmp_path / "draft")
+    draft = load(tmp_path / "draft", dtype=torch.float32, quantization_config=bnb_config(8), device_map="cpu")
+    draft.generation_config.eos_token_id = None
+    prompt = torch.tensor([3, 4, 5, 3, 2])
+    temperature, top_k = 0.9, 5
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    with torch.no_grad():
+        joint = exact_joint(target, prompt, processors)
+    assert joint.shape == (vocab**NEW,)
+    torch.manual_seed(0)
+    assert_converges(lambda n: sample_loop(target, draft, prompt, 3, n, temperature, top_k), joint,
+                     sizes=(100, 1_000, 10_000))
+
+
+# ---- impossible placements ----------------------------------------------------------------------------------------
+def empty_model():
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1)
+    with init_empty_weights():
+        return LlamaForCausalLM(config).eval()
+
+
+def test_draft_on_meta_without_hook_is_a_clear_error(saved):
+    with pytest.raises(ValueError, match="draft model has .* meta device with no accelerate hook"):
+        speculative(load(saved / "target"), empty_model())
+
+
+def test_input_device_of_unloaded_embeddings_is_a_clear_error():
+    model = empty_model()
+    with pytest.raises(ValueError, match="meta device without an accelerate hook"):
+        input_device(model)
+    assert "model.embed_tokens.weight" in unloaded_parameters(model)
+
+
+def test_meta_parameters_outside_hooks_are_named(saved, tmp_path):
+    target = load(saved / "target", device_map=DISK_MAP, offload_folder=tmp_path / "offload")
+    assert unloaded_parameters(target) == []
+    del target.lm_head._hf_hook  # a module whose weights nobody will load
+    assert unloaded_parameters(target) == ["lm_head.weight"]
+    with pytest.raises(ValueError, match="target model has 1 parameters .*lm_head.weight"):
+        speculative(target, load(saved / "draft"))
+
+
+def test_draft_with_another_vocabulary_is_a_clear_error(saved):
+    draft = tiny_model("llama", vocab=128)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative(load(saved / "target"), draft)
+
+
+# ---- GPU-only paths -------------------------------------------------------------------------------------------------
+@needs_cuda
+def test_draft_on_gpu_beside_cpu_target_matches_plain_generate(saved):
+    target = load(saved / "target")
+    draft = load(saved / "draft", dtype=torch.float32).to("cuda")
+    placement = Placement.of(torch.device("cpu"), target, draft)
+    assert placement.cuda_devices == (torch.device("cuda", torch.cuda.current_device()),)
+    assert torch.equal(speculative(target, draft), plain(target))
+
+
+@needs_cuda
+def test_target_offloaded_from_gpu_to_cpu_matches_plain_generate(saved):
+    reference = plain(load(saved / "target"))
+    target = load(saved / "target", device_map="auto", max_memory={0: "64KiB", "cpu": "1GiB"})
+    assert "cpu" in target.hf_device_map.values()
+    ids, mask = prompts()
+    out = target.generate(input_ids=ids.to(0), attention_mask=mask.to(0), max_new_tokens=MAX_NEW, do_sample=False,
+                          assistant_model=load(saved / "draft").to(0), custom_generate=hf_dynspec.speculative_loop)
+    assert torch.equal(out.cpu(), reference)
