@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
+from .placement import input_device
 from .policies.batch_table import BatchTablePolicy
 
 
@@ -78,7 +79,7 @@ class _CachedForward:
 
     def __init__(self, model: PreTrainedModel, batch_size: int, context_length: int, generator: torch.Generator):
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # works for offloaded models too (their embeddings may sit on `meta`)
         self.vocab = int(model.config.vocab_size)
         self.batch_size, self.context_length, self.generator = batch_size, context_length, generator
         self.cache = DynamicCache(config=model.config)
@@ -149,8 +150,8 @@ def calibrate(
         draft_forward=draft_timings,
         target=target_name,
         draft=draft_name,
-        device=str(next(target.parameters()).device),
-        dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
+        device=str(input_device(target)),
+        dtype=str(target.dtype).replace("torch.", ""),
         context_length=settings.context_length,
         warmup=settings.warmup,
         repeats=settings.repeats,

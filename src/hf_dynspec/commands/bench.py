@@ -6,6 +6,8 @@ Examples:
 hf-dynspec bench --scenario fixed --num-prompts 4 --batch-sizes 1,16 --out results.json --plots plots/
 hf-dynspec bench --scenario long-tail --out long_tail.json
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
+hf-dynspec bench --scenario offload --out offload.json
+hf-dynspec bench --draft qwen2.5-coder-0.5b@8bit --target-dtype bfloat16 --batch-sizes 1
 ```
 """
 
@@ -17,7 +19,15 @@ from pathlib import Path
 
 from ..evaluation.bench import OUTPUT_LENGTHS, SCENARIOS, BenchSettings
 from ..evaluation.methods import MethodError, parse_policy_options, table_policy_options
-from ..evaluation.models import DEFAULT_DRAFT, DEFAULT_TARGET, describe_registry
+from ..evaluation.models import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    DTYPE_CHOICES,
+    QUANTIZATIONS,
+    VARIANTS,
+    describe_registry,
+    parse_max_memory,
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -38,6 +48,38 @@ def _size_map(text: str) -> dict[int, int]:
         raise argparse.ArgumentTypeError(f"expected BATCH=PROMPTS pairs such as 1=4,16=16, got {text!r}") from None
 
 
+def _max_memory(text: str) -> dict[int | str, str]:
+    try:
+        return parse_max_memory(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """`--dtype` and the per-model dtype, quantization, memory and offload options (shared with `calibrate`)."""
+    group = parser.add_argument_group(
+        "model placement",
+        "Per-model dtype, bitsandbytes quantization and accelerate offload. `auto` dtype: the checkpoint's own dtype "
+        "(from_pretrained(dtype='auto')); GGUF registry models: bfloat16 on CPUs with AMX or AVX512-BF16 and CUDA "
+        "GPUs with bfloat16, float32 (float16 on older GPUs) otherwise.",
+    )
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="Weights dtype of both models.")
+    for role in ("target", "draft"):
+        group.add_argument(f"--{role}-dtype", choices=DTYPE_CHOICES, help=f"The {role}'s dtype (default: --dtype).")
+        group.add_argument(f"--{role}-quantization", choices=QUANTIZATIONS,
+                           help=f"bitsandbytes quantization of the {role} (default none).")
+        group.add_argument(f"--{role}-max-memory", type=_max_memory, metavar="DEVICE=SIZE,...",
+                           help=f"accelerate max_memory of the {role}, e.g. cpu=1GiB; the rest is offloaded.")
+        group.add_argument(f"--{role}-offload-folder", metavar="DIR",
+                           help=f"Directory for the {role}'s weights offloaded to disk.")
+
+
+MODEL_OPTIONS = tuple(
+    f"{role}_{option}" for role in ("target", "draft") for option in ("dtype", "quantization", "max_memory",
+                                                                       "offload_folder")
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench`."""
     parser = subparsers.add_parser(
@@ -49,7 +91,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="fixed",
                         help="Preset (dataset, batch sizes, methods, output lengths); other flags override it.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="Registry name, local path or Hub id.")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="Registry name, local path or Hub id.")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT,
+                        help="Registry name, local path or Hub id; a registry name may end in a variant: "
+                             + ", ".join("@" + v for v in VARIANTS) + f" (e.g. {DEFAULT_DRAFT}@8bit).")
     parser.add_argument("--dataset", help="humaneval, sharegpt, mixed or a path to a .jsonl file.")
     parser.add_argument("--num-prompts", type=int, help="Prompts per batch size (first N of the dataset).")
     parser.add_argument("--batch-size-prompts", type=_size_map, default={},
@@ -71,8 +115,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-tokens", type=int, default=768, help="Skip longer prompts.")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--tiny", action="store_true", help="Tiny random models and random token prompts (for CI).")
+    add_model_options(parser)
     parser.add_argument("--out", type=Path, help="Write results JSON here.")
     parser.add_argument("--plots", type=Path, help="Write PNG plots into this directory.")
     parser.add_argument("--quiet", action="store_true", help="No progress bars.")
@@ -82,7 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """`BenchSettings` from the scenario preset, overridden by every flag given explicitly."""
     preset = dict(SCENARIOS[args.scenario])
-    for key in ("dataset", "num_prompts", "batch_sizes", "max_new_tokens", "methods", "output_lengths"):
+    for key in ("dataset", "num_prompts", "batch_sizes", "max_new_tokens", "methods", "output_lengths", *MODEL_OPTIONS):
         value = getattr(args, key)
         if value is not None:
             preset[key] = value

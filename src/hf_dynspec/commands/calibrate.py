@@ -3,6 +3,7 @@
     hf-dynspec calibrate --target T --draft D [--batch-sizes 1,2,4,8,16,32] [--tokens-per-row 1,2,3,5,9]
                          [--context-length 256] [--warmup 2] [--repeats 5] --out profile.json
     hf-dynspec calibrate --tiny --out profile.json                  # tiny random models, no weights needed
+    hf-dynspec calibrate --target T --draft D@8bit --target-max-memory cpu=1GiB --target-offload-folder DIR --out p.json
     hf-dynspec calibrate --load profile.json --vllm-table --acceptance 0.7 --num-speculative-tokens 5
 
 With `--vllm-table` the vLLM `--speculative-config` JSON is the only thing written to stdout (progress and the
@@ -19,8 +20,8 @@ import torch
 
 from ..calibration import CalibrationSettings, calibrate, parse_int_list, summarize, vllm_speculative_config
 from ..estimators import Profile
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..evaluation.models import DTYPES, LoadOptions, split_variant
+from .bench import add_model_options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -38,8 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     models.add_argument("--target", metavar="NAME", help="Target model: registry name, local path or Hub id.")
     models.add_argument("--draft", metavar="NAME", help="Draft model: registry name, local path or Hub id.")
     models.add_argument("--tiny", action="store_true", help="Use tiny random models built from configs instead.")
-    models.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="Weights dtype (default float32).")
     models.add_argument("--device", default="cpu", help="Device to measure on (default cpu).")
+    add_model_options(parser)
     points = parser.add_argument_group("measurement")
     defaults = CalibrationSettings()
     points.add_argument("--batch-sizes", default=_join(defaults.batch_sizes), help="Comma-separated batch sizes.")
@@ -115,19 +116,35 @@ def _models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module,
         from ..evaluation.tiny import tiny_pair
 
         target, draft = tiny_pair(seed=args.seed)
-        dtype = DTYPES[args.dtype]
-        return target.to(args.device, dtype), draft.to(args.device, dtype), ("tiny-target", "tiny-draft")
+        dtypes = {"auto": torch.float32, **DTYPES}  # tiny models are built in float32
+        target = target.to(args.device, dtypes[args.target_dtype or args.dtype])
+        draft = draft.to(args.device, dtypes[args.draft_dtype or args.dtype])
+        return target, draft, ("tiny-target", "tiny-draft")
     if not args.target or not args.draft:
         raise ValueError("give both --target and --draft (model names or paths), or --tiny for tiny random models.")
     from ..evaluation.models import ModelSourceError, load_model, resolve_model
 
-    dtype = DTYPES[args.dtype]
     try:
-        target = load_model(resolve_model(args.target), dtype=dtype).to(args.device)
-        draft = load_model(resolve_model(args.draft), dtype=dtype).to(args.device)
+        loaded = []
+        for role in ("target", "draft"):
+            name, options = _load_options(args, role)
+            loaded.append(load_model(resolve_model(name), options))
     except ModelSourceError as error:
         raise ValueError(str(error)) from error
-    return target, draft, (args.target, args.draft)
+    return loaded[0], loaded[1], (args.target, args.draft)
+
+
+def _load_options(args: argparse.Namespace, role: str) -> tuple[str, LoadOptions]:
+    """`(name without variant, LoadOptions)` of the `"target"` or `"draft"` named on the command line."""
+    name, variant = split_variant(getattr(args, role))
+    options = LoadOptions(
+        dtype=getattr(args, f"{role}_dtype") or args.dtype,
+        quantization=getattr(args, f"{role}_quantization") or "none",
+        max_memory=getattr(args, f"{role}_max_memory"),
+        offload_folder=getattr(args, f"{role}_offload_folder"),
+        device=args.device,
+    )
+    return name, options.with_variant(variant)
 
 
 def _join(values: list[int]) -> str:

@@ -22,6 +22,15 @@ import torch
 from tqdm.auto import tqdm
 
 from .methods import Method, check_policies, parse_methods
+from .models import (
+    DTYPE_CHOICES,
+    DTYPES,
+    QUANTIZATIONS,
+    LoadOptions,
+    cpu_bfloat16_support,
+    default_cache_dir,
+    split_variant,
+)
 from .runner import Outcome, Runner
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -48,6 +57,19 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         max_new_tokens=128,
         methods="plain,dynspec-static:4,dynspec-goodput",
         output_lengths="eos",
+    ),
+    "offload": dict(
+        dataset="humaneval",
+        num_prompts=4,
+        batch_sizes=[1],
+        max_new_tokens=64,
+        methods="plain,hf-assisted,dynspec-static:4,dynspec-goodput",
+        output_lengths="eos",
+        # the default target (about 3 GiB in bfloat16) keeps 1 GiB of weights in memory (embeddings and the first
+        # layers); accelerate reads the other layers from the offload folder in every forward, so a target step is
+        # dominated by weight movement and each target forward saved is worth far more than a draft forward
+        target_max_memory={"cpu": "1GiB"},
+        target_offload_folder=str(default_cache_dir() / "offload" / "target"),
     ),
 }
 """Presets for the documented scenarios; explicit settings override them."""
@@ -77,8 +99,24 @@ class BenchSettings:
     batch_size_prompts: dict[int, int] = field(default_factory=dict)
     """Optional smaller prompt count per batch size, e.g. `{1: 4}` (batch size 1 is the slowest per prompt)."""
     tiny: bool = False
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """Weights dtype of both models: `auto` is what a user gets (see `models.resolve_dtype`), or a dtype name."""
+    target_dtype: str | None = None
+    """Overrides `dtype` for the target."""
+    draft_dtype: str | None = None
+    """Overrides `dtype` for the draft (a `@bf16` draft variant overrides both)."""
+    target_quantization: str = "none"
+    """`none`, `8bit` or `4bit` (bitsandbytes)."""
+    draft_quantization: str = "none"
+    target_max_memory: dict[int | str, str] | None = None
+    """accelerate's `max_memory` for the target, e.g. `{"cpu": "1GiB"}` (the rest is offloaded)."""
+    target_offload_folder: str | None = None
+    """Directory for the target's weights offloaded to disk."""
+    draft_max_memory: dict[int | str, str] | None = None
+    draft_offload_folder: str | None = None
     scenario: str | None = None
+    loaded_models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Filled by `load_inputs`: per model the requested and resolved dtype and the placement options used."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -91,8 +129,27 @@ class BenchSettings:
             raise ValueError(f"`max_new_tokens` must be at least 1, got {self.max_new_tokens}.")
         if self.output_lengths not in OUTPUT_LENGTHS:
             raise ValueError(f"`output_lengths` must be one of {OUTPUT_LENGTHS}, got {self.output_lengths!r}.")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"`dtype` must be float32, bfloat16 or float16, got {self.dtype!r}.")
+        for name in ("dtype", "target_dtype", "draft_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPE_CHOICES:
+                raise ValueError(f"`{name}` must be one of {', '.join(DTYPE_CHOICES)}, got {value!r}.")
+        for name in ("target_quantization", "draft_quantization"):
+            if getattr(self, name) not in QUANTIZATIONS:
+                raise ValueError(f"`{name}` must be one of {', '.join(QUANTIZATIONS)}, got {getattr(self, name)!r}.")
+        for name in ("target", "draft"):
+            if getattr(self, name):
+                split_variant(getattr(self, name))  # raises for an unknown variant of a registry name
+
+    def load_options(self, role: str) -> tuple[str, LoadOptions]:
+        """`(model name without variant, LoadOptions)` of the `"target"` or `"draft"` model."""
+        name, variant = split_variant(getattr(self, role))
+        options = LoadOptions(
+            dtype=getattr(self, f"{role}_dtype") or self.dtype,
+            quantization=getattr(self, f"{role}_quantization"),
+            max_memory=getattr(self, f"{role}_max_memory"),
+            offload_folder=getattr(self, f"{role}_offload_folder"),
+        )
+        return name, options.with_variant(variant)
 
     def prompts_for(self, batch_size: int) -> int:
         return min(self.num_prompts, self.batch_size_prompts.get(batch_size, self.num_prompts))
@@ -127,6 +184,10 @@ def machine_description() -> dict[str, Any]:
         memory = f"{int(total.split()[1]) / 1024**2:.1f} GiB" if total else None
     return {
         "cpu": cpu,
+        "bfloat16": {
+            "cpu": cpu_bfloat16_support(),
+            "cuda": torch.cuda.is_bf16_supported() if torch.cuda.is_available() else None,
+        },
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory": memory,
@@ -293,6 +354,9 @@ def _trace(method: Method, batch_size: int, entry: _Measured) -> dict[str, Any]:
 def _config_dict(settings: BenchSettings, prompts: list[list[int]], budgets: list[int] | None) -> dict[str, Any]:
     config = dataclasses.asdict(settings)
     config["batch_size_prompts"] = {str(k): v for k, v in settings.batch_size_prompts.items()}
+    for role in ("target", "draft"):
+        limits = getattr(settings, f"{role}_max_memory")
+        config[f"{role}_max_memory"] = {str(k): v for k, v in limits.items()} if limits else None
     config["prompt_lengths"] = [len(p) for p in prompts]
     config["row_budgets"] = budgets
     config["policy_instances"] = "one per dynspec method, reused across batches, batch sizes and repetitions"
@@ -309,11 +373,19 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
         from .tiny import TINY_VOCAB, tiny_pair
 
         target, draft = tiny_pair(settings.seed)
+        # tiny models are built in float32 (what `auto` gives for them); quantization and offload do not apply
+        requested = {role: getattr(settings, f"{role}_dtype") or settings.dtype for role in ("target", "draft")}
+        dtypes = {"auto": torch.float32, **DTYPES}
+        target, draft = target.to(dtypes[requested["target"]]), draft.to(dtypes[requested["draft"]])
+        settings.loaded_models = {
+            role: {"dtype_requested": requested[role], "dtype": str(model.dtype).removeprefix("torch.")}
+            for role, model in (("target", target), ("draft", draft))
+        }
         return target, draft, random_token_prompts(count, TINY_VOCAB, seed=settings.seed)
     from .models import load_model, load_tokenizer, resolve_model
 
-    dtype = getattr(torch, settings.dtype)
-    target_location = resolve_model(settings.target)
+    target_name, target_options = settings.load_options("target")
+    target_location = resolve_model(target_name)
     tokenizer = load_tokenizer(target_location)
     prompts = encode(load_prompts(settings.dataset, 4 * count + 8), tokenizer, settings.max_prompt_tokens)[:count]
     if len(prompts) < count:
@@ -321,5 +393,11 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
             f"Only {len(prompts)} prompts of {settings.dataset!r} fit in {settings.max_prompt_tokens} tokens; "
             f"lower --num-prompts or raise --max-prompt-tokens."
         )
-    draft = load_model(resolve_model(settings.draft), dtype) if need_draft and settings.draft else None
-    return load_model(target_location, dtype), draft, prompts
+    draft = None
+    if need_draft and settings.draft:
+        draft_name, draft_options = settings.load_options("draft")
+        draft = load_model(resolve_model(draft_name), draft_options)
+        settings.loaded_models["draft"] = draft.hf_dynspec_load
+    target = load_model(target_location, target_options)
+    settings.loaded_models["target"] = target.hf_dynspec_load
+    return target, draft, prompts

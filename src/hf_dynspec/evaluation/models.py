@@ -4,20 +4,32 @@ A registry name (`qwen2.5-coder-1.5b`, `qwen2.5-coder-0.5b`) resolves to a GGUF 
 pip packages (so benchmarks run offline) or, when those are not available, to a Hub id. Any other name is used as is:
 a local directory, a local `.gguf` file or a Hub id.
 
+A registry name may carry a variant suffix that changes how its weights are loaded, not which weights:
+`qwen2.5-coder-0.5b@bf16` (bfloat16), `@8bit` / `@4bit` (bitsandbytes quantization on load).
+
+Loading follows what a user gets: `dtype="auto"` means the checkpoint config's dtype (`from_pretrained(dtype="auto")`)
+for a Hub id or a local checkpoint directory; GGUF files (dequantized on load) get bfloat16 where the hardware computes
+in it natively and float32 elsewhere (see `default_gguf_dtype`). `LoadOptions` adds per-model quantization, `max_memory`
+and `offload_folder`; a GGUF model that needs any of them is first dequantized once into a checkpoint directory in the
+cache (`dequantized_checkpoint`), because bitsandbytes and accelerate's disk offload work on regular checkpoints.
+
 Assembly concatenates the chunks in part order into a temporary file next to the cache entry, checks its size and
 sha256, and only then moves it into place, so a failure never leaves a half-written file behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -267,13 +279,229 @@ def _hub_has(hub_id: str) -> bool:
     return True
 
 
-def load_model(location: ModelLocation, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` for `location`, in eval mode."""
+# ---- variants, dtypes and load options ---------------------------------------------------------------------------
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATIONS = ("none", "8bit", "4bit")
+VARIANTS: dict[str, dict[str, str]] = {
+    "bf16": {"dtype": "bfloat16"},
+    "8bit": {"quantization": "8bit"},
+    "4bit": {"quantization": "4bit"},
+}
+"""Suffixes `name@variant`: load options applied to the named model (the weights and their source stay the same)."""
+
+
+def split_variant(name: str) -> tuple[str, dict[str, str]]:
+    """`"qwen2.5-coder-0.5b@8bit"` -> `("qwen2.5-coder-0.5b", {"quantization": "8bit"})`; no suffix -> `(name, {})`.
+
+    A suffix is read only after a registry name or when it is a known variant (paths may contain `@`); an unknown
+    variant of a registry name raises `ValueError` listing the known ones.
+    """
+    base, sep, variant = name.rpartition("@")
+    if not sep or not base:
+        return name, {}
+    if variant in VARIANTS:
+        return base, dict(VARIANTS[variant])
+    if base in REGISTRY:
+        raise ValueError(
+            f"Unknown variant {variant!r} of {base!r}; known variants: {', '.join('@' + v for v in VARIANTS)} "
+            f"(e.g. {base}@8bit), or the bare name {base!r}."
+        )
+    return name, {}
+
+
+def cpu_bfloat16_support() -> dict[str, Any]:
+    """Whether this CPU computes in bfloat16 natively: `{"supported": bool, "flags": [...], "torch": {...}}`.
+
+    Reads the `amx_bf16` / `avx512_bf16` flags of `/proc/cpuinfo` (and `bf16` on Arm) and asks torch's own CPU
+    feature checks (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`, where this torch has them).
+    """
+    flags: set[str] = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags |= set(line.split(":", 1)[1].split())
+    found = sorted(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+    checks = {}
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(torch.cpu, name, None)
+        if check is not None:
+            checks[name.strip("_")] = bool(check())
+    return {"supported": bool(found) or any(checks.values()), "flags": found, "torch": checks,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def default_gguf_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype a GGUF model (no dtype of its own) is dequantized to on `device`.
+
+    CUDA: bfloat16 when `torch.cuda.is_bf16_supported()`, else float16. CPU: bfloat16 with AMX or AVX512-BF16 (or
+    Arm BF16), float32 without (bfloat16 matmuls are emulated and slower there).
+    """
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_bfloat16_support()["supported"] else torch.float32
+
+
+def checkpoint_dtype(location: ModelLocation) -> torch.dtype:
+    """What `from_pretrained(location, dtype="auto")` gives: the config's dtype, float32 when it names none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(location.path, **location.from_pretrained_kwargs())
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, getattr(torch, dtype, None))
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def resolve_dtype(requested: str, location: ModelLocation, device: str | torch.device = "cpu") -> torch.dtype:
+    """`requested` (`auto` or a dtype name) as a concrete dtype for the model at `location` (see the module doc)."""
+    if requested not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}.")
+    if requested != "auto":
+        return DTYPES[requested]
+    return default_gguf_dtype(device) if location.gguf_file else checkpoint_dtype(location)
+
+
+def parse_max_memory(text: str | None) -> dict[int | str, str] | None:
+    """`"cpu=1GiB,0=10GiB"` -> `{"cpu": "1GiB", 0: "10GiB"}` (accelerate's `max_memory`); `None`/empty -> `None`."""
+    if not text:
+        return None
+    limits: dict[int | str, str] = {}
+    for part in text.split(","):
+        device, sep, size = part.strip().partition("=")
+        if not sep or not device or not size:
+            raise ValueError(
+                f"max_memory must be DEVICE=SIZE pairs such as cpu=1GiB or 0=10GiB,cpu=30GiB, got {text!r}."
+            )
+        limits[int(device) if device.isdigit() else device] = size
+    return limits
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How one model is loaded: dtype, bitsandbytes quantization, accelerate memory limits and disk offload."""
+
+    dtype: str = "auto"
+    """`auto` (what a user gets, see `resolve_dtype`) or float32 / bfloat16 / float16."""
+    quantization: str = "none"
+    """`none`, `8bit` or `4bit` (bitsandbytes `BitsAndBytesConfig` through `from_pretrained`)."""
+    max_memory: dict[int | str, str] | None = None
+    """accelerate's `max_memory`, e.g. `{"cpu": "1GiB"}`: what does not fit is offloaded (to CPU or disk)."""
+    offload_folder: str | None = None
+    """Directory for weights offloaded to disk."""
+    device: str = "cpu"
+    """Device when no `max_memory` is given (and the execution device `auto` resolves the dtype for)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"`dtype` must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"`quantization` must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}.")
+        if self.max_memory is not None and not isinstance(self.max_memory, dict):
+            raise ValueError(
+                f"`max_memory` must be a dict such as {{'cpu': '1GiB'}}, got {self.max_memory!r} (parse "
+                "'cpu=1GiB' with parse_max_memory)."
+            )
+
+    def with_variant(self, variant: dict[str, str]) -> LoadOptions:
+        """These options with a name variant's settings applied (the variant wins)."""
+        return dataclasses.replace(self, **variant)
+
+    @property
+    def dispatched(self) -> bool:
+        """True when accelerate places the model (memory limits or disk offload)."""
+        return self.max_memory is not None or self.offload_folder is not None
+
+    def from_pretrained_kwargs(self, dtype: torch.dtype) -> dict[str, Any]:
+        """`dtype`, `quantization_config`, `device_map`, `max_memory`, `offload_folder` for `from_pretrained`."""
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if self.quantization != "none":
+            try:
+                import bitsandbytes  # noqa: F401
+                from transformers import BitsAndBytesConfig
+            except ImportError as error:
+                raise ValueError(
+                    f"{self.quantization} quantization needs bitsandbytes: pip install 'hf-dynspec[bitsandbytes]'."
+                ) from error
+            kwargs["quantization_config"] = (
+                BitsAndBytesConfig(load_in_8bit=True)
+                if self.quantization == "8bit"
+                else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+            )
+        if self.dispatched:
+            kwargs["device_map"] = "auto"
+            if self.max_memory is not None:
+                kwargs["max_memory"] = self.max_memory
+            if self.offload_folder is not None:
+                kwargs["offload_folder"] = self.offload_folder
+        elif self.quantization != "none" or self.device != "cpu":
+            kwargs["device_map"] = self.device
+        return kwargs
+
+    def record(self, dtype: torch.dtype) -> dict[str, Any]:
+        """What the results JSON records for this model: requested and resolved dtype, and every placement option."""
+        return {
+            "dtype_requested": self.dtype,
+            "dtype": str(dtype).removeprefix("torch."),
+            "quantization": self.quantization,
+            "max_memory": {str(k): v for k, v in self.max_memory.items()} if self.max_memory else None,
+            "offload_folder": self.offload_folder,
+            "device": self.device,
+        }
+
+
+def dequantized_checkpoint(location: ModelLocation, dtype: torch.dtype, cache_dir: Path | None = None) -> ModelLocation:
+    """A regular checkpoint directory holding `location`'s GGUF weights dequantized to `dtype` (made once, cached).
+
+    bitsandbytes quantization and accelerate's disk offload need regular (safetensors) weights; a GGUF file is
+    dequantized on every load anyway, so this writes that result once under `<cache>/dequantized/`. Locations without
+    a GGUF file are returned unchanged.
+    """
+    if not location.gguf_file:
+        return location
+    name = Path(location.gguf_file).stem + "-" + str(dtype).removeprefix("torch.")
+    directory = (cache_dir or default_cache_dir()) / "dequantized" / name
+    done = directory / ".complete"
+    if not done.is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
+        model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, **location.from_pretrained_kwargs())
+        model.save_pretrained(partial)
+        AutoTokenizer.from_pretrained(location.path, **location.from_pretrained_kwargs()).save_pretrained(partial)
+        del model
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(partial, directory)
+        done.write_text(location.gguf_file + "\n")
+    return ModelLocation(str(directory), None, location.eos_token_ids)
+
+
+def load_model(
+    location: ModelLocation,
+    dtype: torch.dtype | LoadOptions = torch.float32,
+    cache_dir: Path | None = None,
+) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` for `location`, in eval mode.
+
+    `dtype` is either a concrete dtype (loaded on the CPU) or `LoadOptions` (dtype resolved with `resolve_dtype`,
+    plus quantization and accelerate placement; GGUF models that need those go through `dequantized_checkpoint`).
+    The resolved dtype is `model.dtype`; the options used are in `model.hf_dynspec_load` (see `LoadOptions.record`).
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, **location.from_pretrained_kwargs())
+    options = dtype if isinstance(dtype, LoadOptions) else LoadOptions(dtype=str(dtype).removeprefix("torch."))
+    resolved = resolve_dtype(options.dtype, location, options.device)
+    source = location
+    if location.gguf_file and (options.quantization != "none" or options.dispatched):
+        source = dequantized_checkpoint(location, resolved, cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, **options.from_pretrained_kwargs(resolved), **source.from_pretrained_kwargs()
+    )
     if location.eos_token_ids:
         model.generation_config.eos_token_id = list(location.eos_token_ids)
+    model.hf_dynspec_load = options.record(resolved)
     return model.eval()
 
 
