@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .equivalence import classify, summarize
 from .methods import Method, check_policies, parse_methods
 from .models import (
     DTYPE_CHOICES,
@@ -31,7 +32,7 @@ from .models import (
     default_cache_dir,
     split_variant,
 )
-from .runner import Outcome, Runner
+from .runner import TIME_FIELDS, Outcome, Runner
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "fixed": dict(
@@ -208,6 +209,7 @@ class _Measured:
     outcomes: list[Outcome] = field(default_factory=list)  # one per repetition
     mismatched_prompts: int = 0
     mismatched_tokens: int = 0
+    equivalence: dict[str, Any] | None = None  # greedy runs: the worst repetition's `equivalence.summarize`
 
 
 def compare(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
@@ -219,6 +221,14 @@ def compare(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, i
             same = next((i for i, (a, b) in enumerate(zip(row, ref)) if a != b), min(len(row), len(ref)))
             tokens_off += max(len(row), len(ref)) - same
     return prompts, tokens_off
+
+
+def check_equivalence(outcomes: list[Outcome], references: list[Outcome], dtype: torch.dtype) -> dict[str, Any]:
+    """The worst repetition's row verdicts (most mismatches, then most near ties) against plain's margins."""
+    summaries = [
+        summarize(classify(o.tokens, ref.tokens, ref.margins, dtype), dtype) for o, ref in zip(outcomes, references)
+    ]
+    return max(summaries, key=lambda s: (s["mismatch"], s["near_tie"]))
 
 
 def run_benchmark(
@@ -272,6 +282,8 @@ def run_benchmark(
             errors = [compare(o.tokens, ref.tokens) for o, ref in zip(entry.outcomes, reference)]
             entry.mismatched_prompts = max(e[0] for e in errors)
             entry.mismatched_tokens = max(e[1] for e in errors)
+            if not settings.do_sample:
+                entry.equivalence = check_equivalence(entry.outcomes, reference, target.dtype)
     return {
         "machine": machine_description(),
         "config": _config_dict(settings, prompts, budgets),
@@ -335,9 +347,13 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
         "target_forwards": outcome.target_forwards,
         "draft_forwards": outcome.draft_forwards,
         "matches_plain": None if method.kind == "plain" else entry.mismatched_prompts == 0,
+        "near_ties": entry.equivalence["near_tie"] if entry.equivalence else None,
+        "mismatches": entry.equivalence["mismatch"] if entry.equivalence else None,
         "mismatched_prompts": None if method.kind == "plain" else entry.mismatched_prompts,
         "mismatched_tokens": None if method.kind == "plain" else entry.mismatched_tokens,
         "rows_one_at_a_time": not method.batched and batch_size > 1,
+        "equivalence": entry.equivalence,
+        **{name: outcome.times.get(name) if method.kind == "dynspec" else None for name in TIME_FIELDS},
     }
 
 

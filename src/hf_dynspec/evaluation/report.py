@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .plots import speedup_table
+from .runner import TIME_FIELDS
 
 
 def _number(value: float | int | None, digits: int = 2) -> str:
@@ -13,12 +14,28 @@ def _number(value: float | int | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _agreement(run: dict[str, Any], sampled: bool) -> str:
+    """`identical / near-tie / mismatch` row counts against plain greedy decoding."""
+    if run["method"] == "plain":
+        return "(reference)"
+    equivalence = run.get("equivalence")
+    if equivalence is None:
+        return "n/a (sampling)" if sampled else "–"
+    return f"{equivalence['identical']} / {equivalence['near_tie']} / {equivalence['mismatch']}"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One row per (batch size, method): throughput, speedup over plain, work done and agreement with plain."""
+    """One row per (batch size, method): throughput, speedup over plain, work done and agreement with plain.
+
+    Agreement is counted in rows (prompts): identical to plain greedy decoding, differing first at a near tie that
+    rounding can flip, or mismatching (see `equivalence.classify`); it does not apply to sampling. When dynspec runs
+    recorded their time split, a second table ("where the time goes", `time_table`) follows.
+    """
     speedups = speedup_table(results)
+    sampled = bool(results.get("config", {}).get("do_sample"))
     lines = [
         "| batch | method | tokens/s | speedup | wall s (median) | tokens/CPU-s | new tokens | mean accepted "
-        "| target fwd | draft fwd | matches plain |",
+        "| target fwd | draft fwd | identical / near-tie / mismatch |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     sequential = False
@@ -27,9 +44,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         if run.get("rows_one_at_a_time"):
             name, sequential = name + " †", True
         speedup = 1.0 if run["method"] == "plain" else speedups.get(run["method"], {}).get(run["batch_size"])
-        match = {None: "(reference)", True: "yes"}.get(
-            run["matches_plain"], f"no ({run.get('mismatched_prompts')} prompts)"
-        )
+        match = _agreement(run, sampled)
         lines.append(
             f"| {run['batch_size']} | {name} | {_number(run['tokens_per_s'])} | {_number(speedup)}x | "
             f"{_number(run['wall_s'])} | {_number(run.get('tokens_per_cpu_s'))} | {run['new_tokens']} | "
@@ -39,4 +54,33 @@ def markdown_table(results: dict[str, Any]) -> str:
     if sequential:
         lines.append("")
         lines.append("† transformers cannot batch assisted generation: these rows ran one at a time.")
+    if sampled:
+        lines.append("")
+        lines.append("Sampled runs are not compared token by token with plain: only their distribution is the same.")
+    times = time_table(results)
+    return "\n".join(lines) + (f"\n\n{times}" if times else "")
+
+
+def time_table(results: dict[str, Any]) -> str:
+    """Where the time goes: the loop's prefill, draft, catch-up, verify and overhead seconds per dynspec run.
+
+    Summed over the `generate` calls of the repetition the other per-run numbers come from; overhead is the loop's
+    own bookkeeping (its total minus the other four). Empty when no run recorded these totals.
+    """
+    runs = [r for r in results["runs"] if r.get("prefill_seconds") is not None]
+    if not runs:
+        return ""
+    lines = [
+        "Where the time goes (seconds, one repetition):",
+        "",
+        "| batch | method | prefill | draft | catch-up | verify | overhead | overhead share |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in sorted(runs, key=lambda r: r["batch_size"]):
+        parts = [run.get(name) for name in TIME_FIELDS]
+        total = sum(p for p in parts if p is not None)
+        share = run["overhead_seconds"] / total if total > 0 and run["overhead_seconds"] is not None else None
+        cells = " | ".join(_number(p, 3) for p in parts)
+        lines.append(f"| {run['batch_size']} | {run['method']} | {cells} | "
+                     f"{'–' if share is None else f'{100 * share:.1f}%'} |")
     return "\n".join(lines)

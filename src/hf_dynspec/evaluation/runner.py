@@ -11,9 +11,13 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
+from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
+
+TIME_FIELDS = ("prefill_seconds", "draft_seconds", "catchup_seconds", "verify_seconds", "overhead_seconds")
+"""Where a speculative run's time goes (the loop's own totals, summed over its `generate` calls)."""
 
 
 class RowBudgets(StoppingCriteria):
@@ -50,6 +54,10 @@ class Outcome:
     """Row-steps by accepted draft tokens (dynspec methods; only row-steps that proposed a draft)."""
     steps: list[dict[str, float]] = field(default_factory=list)
     """Per-step summaries of the speculative loop (dynspec methods)."""
+    margins: list[RowMargins] = field(default_factory=list)
+    """Per prompt, plain greedy decoding's top two tokens and their margin at each position (greedy `plain` only)."""
+    times: dict[str, float] = field(default_factory=dict)
+    """The loop's time totals by `TIME_FIELDS` name, plus `total_seconds` (dynspec methods)."""
 
     @property
     def new_tokens(self) -> int:
@@ -64,6 +72,9 @@ class Outcome:
         self.draft_forwards += other.draft_forwards
         self.accepted.update(other.accepted)
         self.steps.extend(other.steps)
+        self.margins.extend(other.margins)
+        for name, seconds in other.times.items():
+            self.times[name] = self.times.get(name, 0.0) + seconds
 
     def mean_accepted(self, method: Method) -> float | None:
         """Mean accepted draft tokens per verification.
@@ -208,6 +219,9 @@ class Runner:
         )
         if budgets is not None:
             kwargs["stopping_criteria"] = StoppingCriteriaList([RowBudgets(input_ids, budgets)])
+        recorder = MarginRecorder() if method.kind == "plain" and not self.do_sample else None
+        if recorder is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([recorder])
         if self.do_sample:
             torch.manual_seed(self.seed)
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -216,6 +230,8 @@ class Runner:
         outcome.seconds += time.perf_counter() - start
         outcome.cpu_seconds += time.process_time() - cpu_start
         outcome.tokens.extend(trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, budgets))
+        if recorder is not None:
+            outcome.margins.extend(recorder.rows())
         stats = getattr(output, "dynspec_stats", None)
         if stats is not None:
             self._record_stats(stats, outcome)
@@ -261,6 +277,11 @@ class Runner:
 
     @staticmethod
     def _record_stats(stats: Any, outcome: Outcome) -> None:
+        parts = {name: getattr(stats, name) for name in TIME_FIELDS[:-1]}
+        overhead = getattr(stats, "overhead_seconds", None)
+        parts["overhead_seconds"] = stats.total_seconds - sum(parts.values()) if overhead is None else overhead
+        for name, seconds in {**parts, "total_seconds": stats.total_seconds}.items():
+            outcome.times[name] = outcome.times.get(name, 0.0) + seconds
         for step in stats.steps:
             outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
             outcome.steps.append(
@@ -272,6 +293,8 @@ class Runner:
                     "mean_accepted": sum(step.accepted) / max(1, len(step.accepted)),
                     "draft_seconds": step.draft_seconds,
                     "verify_seconds": step.verify_seconds,
+                    "catchup_seconds": step.catchup_seconds,
+                    "overhead_seconds": getattr(step, "overhead_seconds", None),
                 }
             )
 
