@@ -6,6 +6,10 @@ Every model is built from a config, saved with `save_pretrained` and reloaded wi
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from accelerate import cpu_offload, init_empty_weights
@@ -22,6 +26,10 @@ from transformers import (
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.commands import bench as bench_command
+from hf_dynspec.commands import calibrate as calibrate_command
+from hf_dynspec.evaluation import models
+from hf_dynspec.evaluation.bench import BenchSettings, run_benchmark
 from hf_dynspec.placement import Placement, input_device, model_devices, unloaded_parameters
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -217,3 +225,137 @@ def test_target_offloaded_from_gpu_to_cpu_matches_plain_generate(saved):
     out = target.generate(input_ids=ids.to(0), attention_mask=mask.to(0), max_new_tokens=MAX_NEW, do_sample=False,
                           assistant_model=load(saved / "draft").to(0), custom_generate=hf_dynspec.speculative_loop)
     assert torch.equal(out.cpu(), reference)
+
+
+# ---- loading options: dtypes, variants, memory limits ---------------------------------------------------------------
+def test_variants_of_registry_names():
+    assert models.split_variant("qwen2.5-coder-0.5b@bf16") == ("qwen2.5-coder-0.5b", {"dtype": "bfloat16"})
+    assert models.split_variant("qwen2.5-coder-0.5b@8bit") == ("qwen2.5-coder-0.5b", {"quantization": "8bit"})
+    assert models.split_variant("qwen2.5-coder-0.5b") == ("qwen2.5-coder-0.5b", {})
+    assert models.split_variant("/data/runs@2024/model") == ("/data/runs@2024/model", {})
+    with pytest.raises(ValueError, match="Unknown variant 'int3' of 'qwen2.5-coder-0.5b'.*@8bit"):
+        models.split_variant("qwen2.5-coder-0.5b@int3")
+
+
+def test_gguf_dtype_follows_the_hardware(monkeypatch):
+    gguf = models.ModelLocation("/nowhere", "m.gguf")
+    for supported, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(models, "cpu_bfloat16_support", lambda supported=supported: {"supported": supported})
+        assert models.default_gguf_dtype("cpu") == expected
+        assert models.resolve_dtype("auto", gguf) == expected
+    assert models.resolve_dtype("float16", gguf) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
+        models.resolve_dtype("fp8", gguf)
+
+
+def test_cpu_bfloat16_support_reads_cpu_flags():
+    support = models.cpu_bfloat16_support()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
+    assert set(support["flags"]) == flags & {"amx_bf16", "avx512_bf16", "bf16"}
+    assert support["supported"] == (bool(support["flags"]) or any(support["torch"].values()))
+
+
+def test_auto_dtype_of_a_checkpoint_is_its_config_dtype(tmp_path):
+    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    location = models.ModelLocation(str(tmp_path / "bf16"))
+    assert models.resolve_dtype("auto", location) == torch.bfloat16
+    model = models.load_model(location, models.LoadOptions())
+    assert model.dtype == torch.bfloat16
+    assert model.hf_dynspec_load["dtype_requested"] == "auto" and model.hf_dynspec_load["dtype"] == "bfloat16"
+    assert models.load_model(location, models.LoadOptions(dtype="float32")).dtype == torch.float32
+
+
+def test_max_memory_parsing_and_option_checks():
+    assert models.parse_max_memory("cpu=1GiB, 0=10GiB") == {"cpu": "1GiB", 0: "10GiB"}
+    assert models.parse_max_memory("") is None
+    with pytest.raises(ValueError, match="DEVICE=SIZE pairs"):
+        models.parse_max_memory("1GiB")
+    with pytest.raises(ValueError, match="`quantization` must be one of none, 8bit, 4bit"):
+        models.LoadOptions(quantization="3bit")
+    with pytest.raises(ValueError, match="`max_memory` must be a dict"):
+        models.LoadOptions(max_memory="cpu=1GiB")
+
+
+def test_load_model_offloads_and_quantizes_as_asked(saved, tmp_path):
+    location = models.ModelLocation(str(saved / "target"))
+    offloaded = models.load_model(
+        location, models.LoadOptions(dtype="float32", max_memory={"cpu": "64KiB"}, offload_folder=str(tmp_path / "o"))
+    )
+    assert "disk" in offloaded.hf_device_map.values()
+    assert offloaded.hf_dynspec_load["max_memory"] == {"cpu": "64KiB"}
+    quantized = models.load_model(location, models.LoadOptions(dtype="float32", quantization="8bit"))
+    assert quantized.is_loaded_in_8bit and quantized.hf_dynspec_load["quantization"] == "8bit"
+
+
+def word_tokenizer(vocab: int):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(words, unk_token="w0")), unk_token="w0")
+
+
+def test_gguf_models_are_dequantized_once_into_a_checkpoint(saved, tmp_path, monkeypatch):
+    source = tmp_path / "source"
+    load(saved / "target", dtype=torch.float32).save_pretrained(source)
+    word_tokenizer(96).save_pretrained(source)
+    # stand-in for a GGUF file: `from_pretrained` reads this directory instead of `gguf_file=...`
+    monkeypatch.setattr(models.ModelLocation, "from_pretrained_kwargs", lambda self: {})
+    gguf = models.ModelLocation(str(source), "tiny.gguf", (1,))
+    copy = models.dequantized_checkpoint(gguf, torch.bfloat16, tmp_path / "cache")
+    assert copy == models.ModelLocation(str(tmp_path / "cache" / "dequantized" / "tiny-bfloat16"), None, (1,))
+    stamp = Path(copy.path) / ".complete"
+    assert stamp.is_file() and not list((tmp_path / "cache" / "dequantized").glob("*.partial-*"))
+    assert AutoModelForCausalLM.from_pretrained(copy.path).dtype == torch.bfloat16
+    modified = stamp.stat().st_mtime_ns
+    assert models.dequantized_checkpoint(gguf, torch.bfloat16, tmp_path / "cache") == copy
+    assert stamp.stat().st_mtime_ns == modified  # reused, not written again
+    plain_location = models.ModelLocation(str(source))
+    assert models.dequantized_checkpoint(plain_location, torch.bfloat16, tmp_path / "cache") == plain_location
+
+
+# ---- command line ---------------------------------------------------------------------------------------------------
+def parse(command: str, argv: list[str]):
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    (bench_command if command == "bench" else calibrate_command).add_parser(subparsers)
+    return parser.parse_args([command, *argv])
+
+
+def test_bench_offload_scenario_and_per_model_options():
+    settings = bench_command.settings_from_args(parse("bench", ["--scenario", "offload"]))
+    assert settings.batch_sizes == [1] and settings.dtype == "auto"
+    assert settings.methods == "plain,hf-assisted,dynspec-static:4,dynspec-goodput"
+    assert settings.target_max_memory == {"cpu": "1GiB"} and settings.target_offload_folder
+    argv = ["--scenario", "offload", "--target-max-memory", "cpu=2GiB,0=8GiB", "--draft", "qwen2.5-coder-0.5b@4bit",
+            "--target-dtype", "float32", "--draft-quantization", "8bit", "--draft-offload-folder", "/tmp/d"]
+    settings = bench_command.settings_from_args(parse("bench", argv))
+    assert settings.target_max_memory == {"cpu": "2GiB", 0: "8GiB"}
+    name, options = settings.load_options("draft")
+    assert (name, options.quantization, options.offload_folder) == ("qwen2.5-coder-0.5b", "4bit", "/tmp/d")
+    name, options = settings.load_options("target")
+    assert (options.dtype, options.quantization) == ("float32", "none")
+    with pytest.raises(ValueError, match="Unknown variant 'fp4'"):
+        bench_command.settings_from_args(parse("bench", ["--draft", "qwen2.5-coder-0.5b@fp4"]))
+    with pytest.raises(SystemExit):
+        parse("bench", ["--target-max-memory", "lots"])
+
+
+def test_tiny_bench_records_dtypes_and_bfloat16_support():
+    settings = BenchSettings(tiny=True, num_prompts=1, batch_sizes=[1], max_new_tokens=4, methods="plain",
+                             repetitions=1, warmup_tokens=0, draft_dtype="bfloat16")
+    results = run_benchmark(settings, progress=False)
+    assert results["config"]["loaded_models"] == {
+        "target": {"dtype_requested": "auto", "dtype": "float32"},
+        "draft": {"dtype_requested": "bfloat16", "dtype": "bfloat16"},
+    }
+    assert results["machine"]["bfloat16"]["cpu"] == models.cpu_bfloat16_support()
+
+
+def test_calibrate_records_the_target_dtype(tmp_path):
+    argv = ["--tiny", "--target-dtype", "bfloat16", "--batch-sizes", "1", "--tokens-per-row", "1",
+            "--context-length", "4", "--warmup", "0", "--repeats", "1", "--no-progress", "--out", str(tmp_path / "p.json")]
+    assert calibrate_command.run(parse("calibrate", argv)) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["dtype"] == "bfloat16"

@@ -432,7 +432,7 @@ class LoadOptions:
         if self.dispatched:
             kwargs["device_map"] = "auto"
             if self.max_memory is not None:
-                kwargs["max_memory"] = self.max_memory
+                kwargs["max_memory"] = dict(self.max_memory)  # from_pretrained rewrites it in place
             if self.offload_folder is not None:
                 kwargs["offload_folder"] = self.offload_folder
         elif self.quantization != "none" or self.device != "cpu":
