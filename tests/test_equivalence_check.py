@@ -194,3 +194,14 @@ def test_time_accounting_in_records_and_table(pair):
     table = report.markdown_table(results)
     assert "Where the time goes" in table and "| 2 | dynspec-static:3 |" in table.split("Where the time goes")[1]
     assert "| 2 | hf-assisted |" not in table.split("Where the time goes")[1]
+
+
+def test_sampled_runs_are_not_checked(pair):
+    settings = bench.BenchSettings(tiny=True, num_prompts=2, batch_sizes=[2], max_new_tokens=6, do_sample=True,
+                                   methods="plain,dynspec-static:2", repetitions=1, warmup_tokens=0)
+    prompts = random_token_prompts(2, TINY_VOCAB, seed=10)
+    results = bench.run_benchmark(settings, target=pair[0], draft=pair[1], prompts=prompts, progress=False)
+    spec = next(r for r in results["runs"] if r["method"] == "dynspec-static:2")
+    assert spec["equivalence"] is None and spec["near_ties"] is None and spec["mismatches"] is None
+    table = report.markdown_table(results)
+    assert "| n/a (sampling) |" in table and "not compared token by token" in table

@@ -71,7 +71,7 @@ def time_table(results: dict[str, Any]) -> str:
     if not runs:
         return ""
     lines = [
-        "Where the time goes (seconds, one repetition):",
+        "Where the time goes (seconds, last repetition):",
         "",
         "| batch | method | prefill | draft | catch-up | verify | overhead | overhead share |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
