@@ -464,11 +464,21 @@ def dequantized_checkpoint(location: ModelLocation, dtype: torch.dtype, cache_di
     directory = (cache_dir or default_cache_dir()) / "dequantized" / name
     done = directory / ".complete"
     if not done.is_file():
+        from safetensors.torch import save_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
+        partial.mkdir(parents=True, exist_ok=True)
         model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, **location.from_pretrained_kwargs())
-        model.save_pretrained(partial)
+        # transformers marks GGUF-loaded models as quantized and refuses `save_pretrained`; the weights are plain
+        # tensors of `dtype` by now, so write them directly (`save_model` keeps one copy of tied weights)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        config.dtype = dtype
+        config.save_pretrained(partial)
+        model.generation_config.save_pretrained(partial)
+        save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
         AutoTokenizer.from_pretrained(location.path, **location.from_pretrained_kwargs()).save_pretrained(partial)
         del model
         if directory.exists():
