@@ -359,3 +359,12 @@ def test_calibrate_records_the_target_dtype(tmp_path):
             "--context-length", "4", "--warmup", "0", "--repeats", "1", "--no-progress", "--out", str(tmp_path / "p.json")]
     assert calibrate_command.run(parse("calibrate", argv)) == 0
     assert json.loads((tmp_path / "p.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_tiny_models_refuse_placement_options():
+    with pytest.raises(ValueError, match="target_max_memory, target_offload_folder do not apply"):
+        bench_command.settings_from_args(parse("bench", ["--scenario", "offload", "--tiny"]))
+    with pytest.raises(ValueError, match="draft_quantization do not apply"):
+        BenchSettings(tiny=True, draft_quantization="8bit")
+    argv = ["--tiny", "--draft-quantization", "8bit", "--out", "unused.json"]
+    assert calibrate_command.run(parse("calibrate", argv)) == 2

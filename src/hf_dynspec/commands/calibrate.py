@@ -113,8 +113,12 @@ def _models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module,
     if args.tiny:
         if args.target or args.draft:
             raise ValueError("--tiny builds its own models; drop --target/--draft (or drop --tiny).")
+        from ..evaluation.bench import TINY_UNSUPPORTED
         from ..evaluation.tiny import tiny_pair
 
+        placed = ["--" + name.replace("_", "-") for name in TINY_UNSUPPORTED if getattr(args, name) is not None]
+        if placed:
+            raise ValueError(f"--tiny builds models in memory and only takes a dtype; drop {', '.join(placed)}.")
         target, draft = tiny_pair(seed=args.seed)
         dtypes = {"auto": torch.float32, **DTYPES}  # tiny models are built in float32
         target = target.to(args.device, dtypes[args.target_dtype or args.dtype])

@@ -76,6 +76,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 """Presets for the documented scenarios; explicit settings override them."""
 
 OUTPUT_LENGTHS = ("eos", "long-tail")
+TINY_UNSUPPORTED = tuple(
+    f"{role}_{option}" for role in ("target", "draft") for option in ("quantization", "max_memory", "offload_folder")
+)
 
 
 @dataclass
@@ -140,6 +143,12 @@ class BenchSettings:
         for name in ("target", "draft"):
             if getattr(self, name):
                 split_variant(getattr(self, name))  # raises for an unknown variant of a registry name
+        placed = [name for name in TINY_UNSUPPORTED if getattr(self, name) not in (None, "none")]
+        if self.tiny and placed:
+            raise ValueError(
+                f"tiny models are built in memory and only take a dtype; {', '.join(placed)} do not apply to them. "
+                "Drop those settings (or the offload scenario), or benchmark real models without --tiny."
+            )
 
     def load_options(self, role: str) -> tuple[str, LoadOptions]:
         """`(model name without variant, LoadOptions)` of the `"target"` or `"draft"` model."""
