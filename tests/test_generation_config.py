@@ -17,6 +17,7 @@ NON_DEFAULT = {
     "num_speculative_tokens": 7,
     "policy": "custom-policy-name",
     "policy_options": {"alpha": 0.5, "window": 3, "nested": {"flag": True}},
+    "proposer": "hybrid",
     "prompt_lookup_max_ngram": 5,
     "prompt_lookup_min_ngram": 2,
     "compact_min_holes": 9,

@@ -243,7 +243,7 @@ def test_goodput_caps_lengths_at_each_rows_remaining_budget() -> None:
 
 def test_goodput_probes_after_a_long_plain_stretch_with_optimistic_acceptance() -> None:
     cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))  # pays only if acceptance > 0.8
-    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4), cost_model=cost)
+    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4, loss_budget=None), cost_model=cost)
     policy.reset(1)
     probed = [bool(policy.draft_lengths(request(1, 4)).max() > 0) for _ in range(8)]
     assert probed == [False, False, False, True, False, False, False, True]

@@ -10,6 +10,8 @@ fraction of plain decoding's time. With
 - `balance`: the seconds speculation has saved so far (plain-equivalent seconds minus the seconds the steps cost, both
   priced by the cost model, so a burst of noise from other processes does not count as a loss or a gain),
 - `future`: the plain seconds still ahead (the plain-step cost times the most tokens any row may still emit),
+  credited up to `FUTURE_CREDIT` times `work`, so that a plain-step cost measured during a burst of interference
+  from other processes cannot inflate the budget,
 
 a step whose worst case changes the balance by `worst` (negative: its extra cost when every draft token is rejected,
 catch-up included) is allowed when `balance + worst >= -fraction * (work + future)`. Every step taken under this rule
@@ -21,6 +23,9 @@ binding. When it does not pay, the controller still probes, at a rate the budget
 from __future__ import annotations
 
 from collections import deque
+
+FUTURE_CREDIT = 4.0
+"""The plain work still ahead counts towards the budget up to this multiple of the work already done."""
 
 
 class LossBudget:
@@ -48,7 +53,8 @@ class LossBudget:
         """Whether a step whose worst case changes the balance by `worst_change` seconds stays within the budget."""
         if self.fraction is None:
             return True
-        return self.balance + worst_change >= -self.fraction * (self.work + max(future_work, 0.0))
+        future = min(max(future_work, 0.0), FUTURE_CREDIT * self.work)
+        return self.balance + worst_change >= -self.fraction * (self.work + future)
 
     def record(self, plain_seconds: float, spent_seconds: float) -> None:
         """A finished step did `plain_seconds` of plain-decoding work in `spent_seconds` (both cost-model priced)."""

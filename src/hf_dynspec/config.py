@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
+PROPOSERS = ("auto", "hybrid")
+"""Values of `DynSpecConfig.proposer`."""
+
 GENERATION_CONFIG_KEY = "dynspec"
 """Key under which the settings live in a model's `generation_config.json`."""
 
@@ -40,6 +43,11 @@ class DynSpecConfig:
     policy_options: dict[str, Any] = field(
         default_factory=dict,
         metadata={"help": "Policy-specific settings, validated by the policy when it is built."},
+    )
+    proposer: str = field(
+        default="auto",
+        metadata={"help": "Where draft tokens come from: 'auto' (the assistant model if one is given, else prompt "
+                  "lookup), 'hybrid' (per row and step, prompt lookup or the assistant model, as the policy decides)."},
     )
     prompt_lookup_max_ngram: int = field(
         default=3,
@@ -76,6 +84,8 @@ class DynSpecConfig:
             raise ValueError(f"`compact_hole_fraction` must be a number in (0, 1], got {self.compact_hole_fraction!r}.")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"`policy` must be a policy name such as 'static', got {self.policy!r}.")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"`proposer` must be one of {list(PROPOSERS)}, got {self.proposer!r}.")
         if not isinstance(self.policy_options, dict):
             raise ValueError(f"`policy_options` must be a dict, got {type(self.policy_options).__name__}.")
         if not isinstance(self.collect_step_stats, bool):

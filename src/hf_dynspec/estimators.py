@@ -85,6 +85,13 @@ class AcceptanceEstimator:
         n = self.successes[rows] + self.failures[rows] + self.prior_weight
         return (mean + z * torch.sqrt(mean * (1 - mean) / (n + 1))).clamp(max=1.0)
 
+    def lower(self, row_ids: torch.LongTensor, z: float) -> torch.Tensor:
+        """`[batch]` pessimistic estimate: posterior mean minus `z` posterior standard deviations, at least 0."""
+        rows = self._rows(row_ids)
+        mean = self.mean(row_ids)
+        n = self.successes[rows] + self.failures[rows] + self.prior_weight
+        return (mean - z * torch.sqrt(mean * (1 - mean) / (n + 1))).clamp(min=0.0)
+
     def update(self, row_ids: torch.LongTensor, proposed: torch.LongTensor, accepted: torch.LongTensor) -> None:
         """Learn from one step: row `row_ids[j]` proposed `proposed[j]` draft tokens and `accepted[j]` were accepted.
 
@@ -257,7 +264,11 @@ class OnlineCostModel(PaddedCostModel):
     process on the machine, the draft catching up after plain steps) cannot make a length look expensive and be
     avoided for good; if the length really is expensive, choosing it again adds samples until the knot is
     confirmed at its true cost. The knots are then made nondecreasing by isotonic regression weighted by sample
-    counts. A lasting change (longer KV caches) replaces a knot's old samples within `window` visits.
+    counts. A lasting change (longer KV caches) replaces a knot's old samples within `window` visits. A knot with
+    fewer than `confirm_samples` samples younger than `stale_after` observed steps is *stale*: between fresh knots
+    it is capped by their interpolation, and `optimistic()` also caps it by their extrapolation, so a length
+    measured during a burst of interference from other processes, and avoided since, is tried (and measured) again
+    when the policy probes, instead of being avoided for good.
 
     Exploration: before the knots bracket the current batch size (a knot near or below `N = b`, one near or above
     `N = b * (1 + max)`), `exploration_length` asks for a plain step or a maximal one; afterwards, every
@@ -273,20 +284,23 @@ class OnlineCostModel(PaddedCostModel):
         warmup_steps: int = 1,
         confirm_samples: int = 3,
         profile: Profile | None = None,
+        stale_after: int = 64,
     ) -> None:
         check_int("window", window, 1)
         check_int("confirm_samples", confirm_samples, 1)
         check_positive("tolerance", tolerance)
         check_int("explore_interval", explore_interval, 1)
         check_int("warmup_steps", warmup_steps, 0)
+        check_int("stale_after", stale_after, 1)
         super().__init__(None, None)
+        self.stale_after = stale_after
         self.window = window
         self.tolerance = float(tolerance)
         self.explore_interval = explore_interval
         self.warmup_steps = warmup_steps
         self.confirm_samples = confirm_samples
-        self.verify_samples: dict[int, deque[float]] = {}
-        self.draft_samples: dict[int, deque[float]] = {}
+        self.verify_samples: dict[int, deque[tuple[float, int]]] = {}  # knot -> (seconds, step observed)
+        self.draft_samples: dict[int, deque[tuple[float, int]]] = {}
         self.steps_observed = 0
         self._since_exploration = 0
         if profile is not None:
@@ -325,18 +339,27 @@ class OnlineCostModel(PaddedCostModel):
         self._since_exploration = 0
         return int(gaps.argmax())
 
-    def _add(self, samples: dict[int, deque[float]], key: int, seconds: float) -> None:
-        samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+    def _add(self, samples: dict[int, deque[tuple[float, int]]], key: int, seconds: float) -> None:
+        samples.setdefault(key, deque(maxlen=self.window)).append((seconds, self.steps_observed))
 
     def _refit(self) -> None:
-        self.verify = self._fit(self.verify_samples)
-        self.draft = self._fit(self.draft_samples)
+        self.verify = self._fit(self.verify_samples, extrapolate=False)
+        self.draft = self._fit(self.draft_samples, extrapolate=False)
 
-    def _fit(self, samples: dict[int, deque[float]]) -> PiecewiseLinear | None:
-        """Fastest sample per knot; provisional knots capped at what the confirmed knots predict; isotonic fit."""
-        points = _fastest(samples)
-        base = PiecewiseLinear.fit({x: p for x, p in points.items() if p[1] >= self.confirm_samples})
-        provisional = [x for x, (_, count) in points.items() if count < self.confirm_samples]
+    def optimistic(self) -> PaddedCostModel:
+        """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
+        return PaddedCostModel(self._fit(self.verify_samples, True), self._fit(self.draft_samples, True))
+
+    def _fit(self, samples: dict[int, deque[tuple[float, int]]], extrapolate: bool) -> PiecewiseLinear | None:
+        """Fastest sample per knot; provisional knots capped at what the confirmed knots predict (within their range
+        unless `extrapolate`); isotonic fit."""
+        fresh_from = self.steps_observed - self.stale_after
+        points = {key: (min(seconds for seconds, _ in values), len(values)) for key, values in samples.items() if values}
+        fresh = {key: sum(step > fresh_from for _, step in values) for key, values in samples.items()}
+        base = PiecewiseLinear.fit({x: p for x, p in points.items() if fresh[x] >= self.confirm_samples})
+        provisional = [x for x in points if fresh[x] < self.confirm_samples]
+        if base is not None and not extrapolate:
+            provisional = [x for x in provisional if len(samples[x]) < self.confirm_samples or base.xs[0] <= x <= base.xs[-1]]
         if base is not None and provisional:
             caps = base(np.array(provisional, dtype=np.float64))
             for x, cap in zip(provisional, caps.tolist()):

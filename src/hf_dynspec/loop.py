@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import json
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -14,11 +16,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import RaggedCache, check_cache_supported
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
+from .candidates.hybrid import HybridProposer
 from .candidates.prompt_lookup import PromptLookupProposer
 from .config import DynSpecConfig
 from .distributed import DecisionBroadcast
 from .placement import Placement
-from .policies import DraftLengthPolicy, PolicyInput, StepFeedback, build_policy
+from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
 from .processors import process_logits
 from .sequences import TokenBatch
 from .stats import DynSpecStats, StepRecord
@@ -69,7 +72,7 @@ def speculative_loop(
     config = _resolve_config(dynspec_config, generation_config)
     validate_inputs(model, assistant_model, input_ids, generation_config, model_kwargs, synced_gpus, streamer)
     run = _Run(model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config)
-    run.policy = build_policy(config, dynspec_policy)
+    run.policy = _policy_for(model, assistant_model, config, dynspec_policy)
     run.streamer = streamer
     return run.generate(model_kwargs)
 
@@ -110,12 +113,23 @@ class _Run:
         self.input_ids = input_ids
 
     def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
-        if draft is not None:
-            return DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
+        if draft is None:
+            if self.config.proposer == "hybrid":
+                raise ValueError(
+                    "DynSpecConfig(proposer='hybrid') combines prompt lookup with a draft model: pass "
+                    "`assistant_model=<draft model>` (and no `prompt_lookup_num_tokens`), or drop proposer='hybrid'."
+                )
+            return self._lookup_proposer(int(self.generation_config.prompt_lookup_num_tokens))
+        model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
+        if self.config.proposer == "hybrid" and self.config.num_speculative_tokens > 0:
+            return HybridProposer(model, self._lookup_proposer(self.config.num_speculative_tokens))
+        return model
+
+    def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
         return PromptLookupProposer(
             max_ngram=self.config.prompt_lookup_max_ngram,
             min_ngram=self.config.prompt_lookup_min_ngram,
-            num_output_tokens=int(self.generation_config.prompt_lookup_num_tokens),
+            num_output_tokens=num_tokens,
         )
 
     def _max_draft_tokens(self) -> int:
@@ -135,6 +149,7 @@ class _Run:
             step += 1
         self.proposer.release()
         self.stats.total_seconds = self.placement.clock() - start
+        self.stats.overhead_seconds = self.stats.total_seconds - self.stats.accounted_seconds
         self.stats.draft_forwards += self.proposer.forwards
         if self.streamer is not None:
             self.streamer.end()
@@ -172,17 +187,20 @@ class _Run:
         self.proposer.start(batch)
         batch = self._emit(batch, first.unsqueeze(1), torch.ones_like(no_drafts), scores)
         self.stats.prefill_seconds = self.placement.clock() - start
+        ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
+        self.policy.observe_prefill(PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio))
         return batch
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
         """Draft, verify in one target forward, accept, emit; returns the batch of rows still running."""
-        requested = self._requested_lengths(batch, step)
+        begun = self.placement.clock()
+        requested, free_rows = self._requested_lengths(batch, step)
 
         start = self.placement.clock()
         early_stop = self._early_stop_for(batch.row_ids)
         if int(requested.max()) > 0:
-            proposal = self.decisions.proposal(self.proposer.propose(batch, requested, early_stop))
+            proposal = self.decisions.proposal(self.proposer.propose(batch, requested, early_stop, free_rows))
             catchup = self.proposer.catchup_seconds
         else:
             proposal, catchup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0
@@ -204,18 +222,29 @@ class _Run:
         emitted = torch.cat([proposal.tokens, next_tokens.unsqueeze(1)], dim=1)  # [batch, width + 1]
         emitted.scatter_(1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
         self._observe(requested, proposal, accepted, drafted - start - catchup, catchup, verified - drafted, batch)
-        return self._emit(batch, emitted, accepted + 1, scores)
+        batch = self._emit(batch, emitted, accepted + 1, scores)
+        self._account_overhead(self.placement.clock() - begun - (drafted - start) - (verified - drafted))
+        return batch
 
-    def _requested_lengths(self, batch: TokenBatch, step: int) -> torch.LongTensor:
-        """The policy's draft lengths, capped so no row drafts past its remaining length budget."""
-        request = PolicyInput(step, batch.row_ids, batch.remaining, self.max_draft)
+    def _account_overhead(self, seconds: float) -> None:
+        """Loop time of a step outside drafting, catch-up and verification (policy, acceptance, bookkeeping)."""
+        if self.config.collect_step_stats and self.stats.steps:
+            self.stats.steps[-1].overhead_seconds = seconds
+
+    def _requested_lengths(self, batch: TokenBatch, step: int) -> tuple[torch.LongTensor, torch.BoolTensor | None]:
+        """The policy's draft lengths, capped so no row drafts past its remaining length budget, and the rows it
+        serves from the model-free proposal (hybrid proposers; `None` otherwise)."""
+        backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_draft)
+        request = PolicyInput(step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths)
         lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):
             raise ValueError(
                 f"Policy {type(self.policy).__name__} returned draft lengths {lengths.tolist()}; expected "
                 f"{batch.batch_size} non-negative integers (one per active row)."
             )
-        return self.decisions.lengths(lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0))
+        lengths = self.decisions.lengths(lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0))
+        free_rows = self.policy.free_rows(request) if free_lengths is not None else None
+        return lengths, free_rows.to(lengths.device) if free_rows is not None else None
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
@@ -313,9 +342,11 @@ class _Run:
         batch: TokenBatch,
     ) -> None:
         target_tokens = batch.batch_size * (proposal.max_length + 1)
+        free_rows = self.proposer.last_free_rows if proposal.max_length else None
+        catchup_tokens = self.proposer.catchup_tokens if catchup_seconds > 0 else 0
         feedback = StepFeedback(
             batch.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens,
-            catchup_seconds,
+            catchup_seconds, catchup_tokens, free_rows,
         )
         self.policy.observe(feedback)
         stats = self.stats
@@ -339,8 +370,34 @@ class _Run:
                     verify_seconds=verify_seconds,
                     target_tokens=target_tokens,
                     catchup_seconds=catchup_seconds,
+                    catchup_tokens=catchup_tokens,
+                    free_rows=free_rows.tolist() if free_rows is not None else None,
                 )
             )
+
+
+_LEARNED_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
+policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
+generation keeps its heuristic draft length on the draft's generation config)."""
+
+
+def _policy_for(
+    model: PreTrainedModel, draft: PreTrainedModel | None, config: DynSpecConfig, policy: DraftLengthPolicy | None
+) -> DraftLengthPolicy:
+    """`policy` if given; a learning policy remembered for this (target, draft, config); else a new one."""
+    if policy is not None or config.policy != "goodput":
+        return build_policy(config, policy)
+    learned = _LEARNED_POLICIES.setdefault(model, {})
+    key = (id(draft), json.dumps(config.to_dict(), sort_keys=True, default=str))
+    if key not in learned:
+        learned[key] = build_policy(config)
+    return learned[key]
+
+
+def _parameter_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
+    """Draft parameters over target parameters: the prior of the draft's cost relative to the target's."""
+    return sum(p.numel() for p in draft.parameters()) / max(sum(p.numel() for p in target.parameters()), 1)
 
 
 def _resolve_config(value: DynSpecConfig | dict | str | None, generation_config: GenerationConfig) -> DynSpecConfig:

@@ -31,6 +31,12 @@ class StepRecord:
     """Tokens the target processed in the verify forward, padding included (`batch_size * (1 + max draft length)`)."""
     catchup_seconds: float = 0.0
     """Draft time spent catching up on a backlog (the draft's prompt prefill), excluded from `draft_seconds`."""
+    catchup_tokens: int = 0
+    """Tokens the draft processed in that catch-up forward, padding included."""
+    overhead_seconds: float = 0.0
+    """Loop time of the step outside drafting, catch-up and verification (policy, acceptance, bookkeeping)."""
+    free_rows: list[bool] | None = None
+    """Hybrid proposer: True where the row's draft tokens came from prompt lookup (no draft forward)."""
 
 
 @dataclass
@@ -51,7 +57,14 @@ class DynSpecStats:
     catchup_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+    """`total_seconds` minus prefill, draft, catch-up and verify seconds: the loop's own work."""
     total_seconds: float = 0.0
+
+    @property
+    def accounted_seconds(self) -> float:
+        """Prefill, draft, catch-up and verify seconds together (everything but the loop's own work)."""
+        return self.prefill_seconds + self.draft_seconds + self.catchup_seconds + self.verify_seconds
 
     @property
     def acceptance_rate(self) -> float:

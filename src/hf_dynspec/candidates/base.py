@@ -43,6 +43,12 @@ class BatchedProposer(ABC):
     forwards: int = 0
     #: seconds the last `propose` spent catching the proposer's model up on a backlog (its prefill), not drafting
     catchup_seconds: float = 0.0
+    #: tokens (padding included) of that catch-up forward
+    catchup_tokens: int = 0
+    #: `[batch]` rows the last `propose` served from a model-free proposal (hybrid proposers; `None` otherwise)
+    last_free_rows: torch.BoolTensor | None = None
+    #: the proposer's model (`None` for model-free proposers)
+    model = None
 
     def start(self, batch: TokenBatch) -> None:
         """Begin a new `generate` call on `batch` (the prompt plus the first generated token)."""
@@ -54,8 +60,20 @@ class BatchedProposer(ABC):
         batch: TokenBatch,
         lengths: torch.LongTensor,
         early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
     ) -> Proposal:
-        """Propose up to `lengths[b]` (`[batch]`, 0 allowed) draft tokens for each row of `batch`."""
+        """Propose up to `lengths[b]` (`[batch]`, 0 allowed) draft tokens for each row of `batch`.
+
+        `free_rows` (`[batch]`, hybrid proposers only) marks the rows to serve from the model-free proposal.
+        """
+
+    def backlog(self, batch: TokenBatch) -> torch.LongTensor | None:
+        """`[batch]` tokens the proposer's model must process before it can draft (`None`: no model)."""
+        return None
+
+    def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor | None:
+        """`[batch]` draft tokens a model-free proposal offers each row this step (hybrid proposers; else `None`)."""
+        return None
 
     def commit(self, batch: TokenBatch, proposal: Proposal, accepted: torch.LongTensor) -> None:
         """After verification: `accepted[b]` leading draft tokens of row `b` were kept; `batch` is already updated."""

@@ -66,7 +66,21 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.ragged = RaggedCache(cache, empty, self.config.compact_min_holes, self.config.compact_hole_fraction)
         self.num_seen = torch.zeros_like(batch.num_real)
 
-    def propose(self, batch: TokenBatch, lengths: torch.LongTensor, early_stop: EarlyStop | None = None) -> Proposal:
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.draft_model
+
+    def backlog(self, batch: TokenBatch) -> torch.LongTensor:
+        """`[batch]` committed tokens of each row not yet in the draft's cache (the prompt, before the first draft)."""
+        return batch.num_real - self.num_seen
+
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+    ) -> Proposal:
         lengths = lengths.clone()
         ids, mask, positions = batch.tail(self.num_seen)  # [batch, tail]
         self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
@@ -109,12 +123,12 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor
     ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
         """Feed all but the newest column of a tail wider than `MAX_INLINE_TAIL` in a timed forward of its own."""
-        self.catchup_seconds = 0.0
+        self.catchup_seconds, self.catchup_tokens = 0.0, 0
         if ids.shape[1] <= MAX_INLINE_TAIL:
             return ids, mask, positions
         start = self.placement.clock()
         self._forward(ids[:, :-1], mask[:, :-1], positions[:, :-1])
-        self.catchup_seconds = self.placement.clock() - start
+        self.catchup_seconds, self.catchup_tokens = self.placement.clock() - start, ids[:, :-1].numel()
         return ids[:, -1:], mask[:, -1:], positions[:, -1:]
 
     def _forward(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:

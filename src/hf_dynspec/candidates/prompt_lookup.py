@@ -41,15 +41,29 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
         self.min_ngram = min_ngram
         self.forwards = 0
 
-    def propose(self, batch: TokenBatch, lengths: torch.LongTensor, early_stop: EarlyStop | None = None) -> Proposal:
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+    ) -> Proposal:
+        return self.proposal(batch, self.continuations(batch, lengths))
+
+    def continuations(self, batch: TokenBatch, lengths: torch.LongTensor) -> list[torch.LongTensor]:
+        """Each row's continuation (`[found]`, up to `lengths[b]` tokens, empty without a match or with length 0)."""
         lengths = lengths.clamp(max=self.num_output_tokens)
-        found = [
+        return [
             lookup_continuation(batch.real_tokens(row), self.max_ngram, self.min_ngram, int(lengths[row]))
             if int(lengths[row]) > 0
             else batch.tokens.new_zeros(0)
             for row in range(batch.batch_size)
         ]
-        actual = torch.tensor([f.shape[0] for f in found], dtype=torch.long, device=lengths.device)
+
+    @staticmethod
+    def proposal(batch: TokenBatch, found: list[torch.LongTensor]) -> Proposal:
+        """A placeholder-padded `Proposal` of per-row continuations."""
+        actual = torch.tensor([f.shape[0] for f in found], dtype=torch.long, device=batch.tokens.device)
         width = int(actual.max()) if found else 0
         tokens = batch.tokens.new_full((batch.batch_size, width), batch.pad_id)
         for row, continuation in enumerate(found):

@@ -22,7 +22,7 @@ from dataclasses import fields
 from typing import Any
 
 from ..config import DynSpecConfig
-from .base import DraftLengthPolicy, PolicyInput, StepFeedback
+from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .batch_table import SCHEDULE_KEY, BatchTablePolicy
 from .confidence import ConfidencePolicy, ConfidenceSettings, ConfidenceStopper
 from .goodput import GoodputPolicy, GoodputSettings, best_draft_lengths
@@ -112,6 +112,7 @@ def build_policy(config: DynSpecConfig, policy: DraftLengthPolicy | None = None)
 __all__ = [
     "DraftLengthPolicy",
     "PolicyInput",
+    "PrefillFeedback",
     "StepFeedback",
     "StaticPolicy",
     "ThresholdPolicy",

@@ -156,9 +156,17 @@ class GoodputSettings:
         metadata={"help": "After this many all-plain steps, try once with optimistic acceptance (0 disables)."},
     )
     probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
+    confidence_z: float = field(
+        default=1.0,
+        metadata={"help": "Standard deviations taken off acceptance when judging whether speculation repays a step "
+                  "that the loss budget alone would not allow."},
+    )
+    stale_after: int = field(
+        default=64, metadata={"help": "Online costs: steps after which a knot's samples no longer confirm it."}
+    )
     min_gain: float = field(default=0.0, metadata={"help": "Relative margin speculation must win by over plain steps."})
     loss_budget: float | None = field(
-        default=0.02,
+        default=0.05,
         metadata={"help": "Largest fraction of plain decoding's time speculation may lose in a call (0 <= x < 1); "
                   "None: no budget (the search alone decides)."},
     )
@@ -190,6 +198,8 @@ class GoodputSettings:
         check_int("confirm_samples", self.confirm_samples, 1)
         _check_number("min_gain", self.min_gain, 0.0)
         _check_number("probe_z", self.probe_z, 0.0)
+        _check_number("confidence_z", self.confidence_z, 0.0)
+        check_int("stale_after", self.stale_after, 1)
         check_int("probe_interval", self.probe_interval, 0)
         LossBudget(self.loss_budget)  # validates
         if self.early_stop is not None and not isinstance(self.early_stop, (bool, dict)):
@@ -218,7 +228,7 @@ class GoodputPolicy(DraftLengthPolicy):
     the draft model for every row, and each row's better source; `free_rows` reports the winner's lookup rows.
 
     `last_exploration` is the length the cost model asked to measure at the last step (`None`: the step was chosen
-    by the search); `last_blocked` is true when the loss budget turned a drafting step into a plain one.
+    by the search); `last_blocked` is true when the loss budget shortened the step's drafts (to none, at worst).
     """
 
     name = "goodput"
@@ -246,6 +256,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.plain_streak = 0
         self.last_exploration: int | None = None
         self.last_blocked = False
+        self.draft_ratio: float | None = None  # draft/target parameter ratio, from the prefill
         self._free: torch.BoolTensor | None = None
 
     def reset(self, num_rows: int) -> None:
@@ -257,6 +268,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.plain_streak = 0
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
+        self.draft_ratio = feedback.draft_cost_ratio
         self.budget.start(feedback.seconds)
         self.catchup.observe_prefill(feedback.seconds, feedback.tokens, feedback.draft_cost_ratio)
 
@@ -268,21 +280,48 @@ class GoodputPolicy(DraftLengthPolicy):
             return torch.zeros(batch, dtype=torch.long)
         catchup = self._catchup_seconds(request)
         self.last_exploration = self.cost_model.exploration_length(batch, max_k)
+        if self.last_exploration and not self._could_pay(request, caps):
+            self.last_exploration = None  # no cost could make these rows worth drafting: nothing to measure
         if self.last_exploration is not None:
-            lengths = caps.clamp(max=self.last_exploration)
+            lengths = self._within_budget(request, caps.clamp(max=self.last_exploration), catchup)
+            if bool((lengths > 0).any()) or self.last_exploration == 0:
+                return lengths
+            self.last_exploration = None  # the budget cannot pay for this measurement: decide as if it were made
+        lengths, self._free = self._search(request, caps, catchup, optimistic=False)
+        if bool((lengths > 0).any()):
+            self.plain_streak = 0
         else:
-            lengths, self._free = self._search(request, caps, catchup, optimistic=False)
-            if bool((lengths > 0).any()):
+            self.plain_streak += 1
+            if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
                 self.plain_streak = 0
-            else:
-                self.plain_streak += 1
-                if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
-                    self.plain_streak = 0
-                    lengths, self._free = self._search(request, caps, catchup, optimistic=True)
-        if bool((lengths > 0).any()) and not self._affordable(request, lengths, catchup):
-            self.last_blocked, self._free = True, None
-            lengths = torch.zeros_like(lengths)
+                lengths, self._free = self._search(request, caps, catchup, optimistic=True)
+        lengths = self._within_budget(request, lengths, catchup)
+        if not bool((lengths > 0).any()):
+            self._free = None
         return lengths
+
+    def _could_pay(self, request: PolicyInput, caps: torch.LongTensor) -> bool:
+        """Whether drafting could beat plain steps at optimistic acceptance if verifying cost no more than a plain
+        step (only the draft forwards, or none for lookup rows, on top)."""
+        rows, z = request.row_ids, self.settings.probe_z
+        acceptance = self.acceptance.upper(rows, z)
+        if request.free_lengths is not None:
+            acceptance = torch.maximum(acceptance, self.lookup_acceptance.upper(rows, z))
+        plain = self._plain_seconds(request.batch_size)
+        draft = self.cost_model.draft if isinstance(self.cost_model, PaddedCostModel) else None
+        per_forward = float(draft(np.array([request.batch_size]))[0]) if draft is not None else 0.0
+        if request.free_lengths is not None:
+            per_forward = 0.0
+        gains = expected_tokens(acceptance, caps) / (plain + caps.double() * per_forward)  # [batch] per-row rates
+        return bool((gains > 1.0 / plain).any())
+
+    def _within_budget(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
+        """`lengths`, shortened where the loss budget requires it (`last_blocked` says whether it did)."""
+        if not bool((lengths > 0).any()):
+            return lengths
+        affordable = self._affordable_lengths(request, lengths, catchup)
+        self.last_blocked = self.last_blocked or not torch.equal(affordable, lengths)
+        return affordable
 
     def free_rows(self, request: PolicyInput) -> torch.BoolTensor | None:
         return self._free
@@ -323,26 +362,53 @@ class GoodputPolicy(DraftLengthPolicy):
         return self.catchup.seconds(request.batch_size * (width - 1)) if width > MAX_INLINE_TAIL else 0.0
 
     def _price(self, batch: int, lengths: torch.LongTensor, free: torch.BoolTensor | None, catchup: float) -> float:
-        """Seconds of a step with `lengths` (`[batch]`), `free` rows served by prompt lookup, catch-up included."""
-        by_draft = lengths if free is None else torch.where(free, torch.zeros_like(lengths), lengths)
-        drafts = int(by_draft.max()) > 0
-        if isinstance(self.cost_model, PaddedCostModel) and free is not None:
-            longest = float(lengths.max())
-            verify = self.cost_model.verify
-            seconds = float(verify(np.array([batch * (1.0 + longest)]))[0]) if verify is not None else 1.0
-            per_forward = float(self.cost_model.draft(np.array([batch]))[0]) if self.cost_model.draft is not None else 0
-            seconds += float(by_draft.max()) * per_forward
-        else:
-            seconds = float(self.cost_model.step_seconds(batch, lengths))
-        return seconds + (catchup if drafts else 0.0)
+        """Seconds of a step with `lengths` (`[batch]`), `free` rows served by prompt lookup, catch-up included.
 
-    def _affordable(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> bool:
-        """Whether the step stays within the loss budget even if it accepts nothing."""
+        Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
+        plain step (so a first exploration is not mistaken for free).
+        """
+        by_draft = lengths if free is None else torch.where(free, torch.zeros_like(lengths), lengths)
+        forwards = int(by_draft.max()) if by_draft.numel() else 0
+        model = self.cost_model
+        if not isinstance(model, PaddedCostModel):
+            return float(model.step_seconds(batch, lengths)) + (catchup if forwards else 0.0)
+        longest = float(lengths.max()) if lengths.numel() else 0.0
+        seconds = float(model.verify(np.array([batch * (1.0 + longest)]))[0]) if model.verify is not None else 1.0
+        if model.draft is not None:
+            per_forward = float(model.draft(np.array([batch]))[0])
+        else:
+            per_forward = (self.draft_ratio or 0.0) * self._plain_seconds(batch)
+        return seconds + forwards * per_forward + (catchup if forwards else 0.0)
+
+    def _affordable_lengths(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
+        """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing, or
+        kept whole when speculation repays the step's extra cost twice over even at pessimistic acceptance."""
         batch = request.batch_size
         plain = self._plain_seconds(batch)
-        worst = plain - self._price(batch, lengths.cpu(), self._free, catchup)
         future = plain * float(request.remaining_tokens.max())
-        return self.budget.allows(worst, future)
+        extra = self._price(batch, lengths, self._free, catchup) - plain
+        if extra <= 0 or self._pessimistic_savings(request, future) >= 2.0 * extra:
+            return lengths
+        for longest in range(int(lengths.max()), 0, -1):
+            capped = lengths.clamp(max=longest)
+            if self.budget.allows(plain - self._price(batch, capped, self._free, catchup), future):
+                return capped
+        return torch.zeros_like(lengths)
+
+    def _pessimistic_savings(self, request: PolicyInput, future: float) -> float:
+        """Seconds speculation saves over the `future` plain seconds of the call, at the lower confidence bound of
+        every row's acceptance (draft model only, no catch-up: the catch-up is the cost it is weighed against)."""
+        z, batch = self.settings.confidence_z, request.batch_size
+        if self.acceptance.successes.shape[0] == 0 and self.acceptance.pooled_successes == 0:
+            return 0.0
+        acceptance = self.acceptance.lower(request.row_ids, z)
+        caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=request.max_draft_tokens)
+        lengths = best_draft_lengths(acceptance, caps, request.max_draft_tokens, self.cost_model)
+        if not bool((lengths > 0).any()):
+            return 0.0
+        plain_rate = batch / self._plain_seconds(batch)
+        rate = float(expected_tokens(acceptance, lengths).sum()) / self._price(batch, lengths, None, 0.0)
+        return max(0.0, future * (1.0 - plain_rate / rate))
 
     # ---- the search ------------------------------------------------------------------------------------------------
     def _search(
@@ -351,7 +417,8 @@ class GoodputPolicy(DraftLengthPolicy):
         """The best length vector (and its lookup rows) over the sources the proposer offers."""
         z, rows, max_k = self.settings.probe_z, request.row_ids, request.max_draft_tokens
         by_draft = self.acceptance.upper(rows, z) if optimistic else self.acceptance.mean(rows)
-        priced = _WithCatchup(self.cost_model, catchup)
+        costs = self.cost_model.optimistic() if optimistic and isinstance(self.cost_model, OnlineCostModel) else None
+        priced = _WithCatchup(costs or self.cost_model, catchup)
         lengths = best_draft_lengths(by_draft, caps, max_k, priced, self.settings.min_gain)
         if request.free_lengths is None:
             return lengths, None
@@ -405,6 +472,7 @@ def _build_cost_model(settings: GoodputSettings) -> StepCostModel:
         warmup_steps=settings.warmup_steps,
         confirm_samples=settings.confirm_samples,
         profile=profile,
+        stale_after=settings.stale_after,
     )
 
 

@@ -1,0 +1,101 @@
+"""A hybrid proposer: per row and step, draft tokens from prompt lookup (free) or from the draft model.
+
+Code edits and chat about code copy long spans of their context, which prompt lookup proposes at no model cost; text
+that is new needs the draft model. The policy decides per row which source serves it (`DraftLengthPolicy.free_rows`,
+which `goodput` answers from each source's acceptance and the step's cost); without an answer, a row takes prompt
+lookup when its continuation covers the requested length. The draft model runs only when some row draft from it;
+rows served by prompt lookup keep their accepted tokens in the draft's backlog, which it catches up on later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sequences import TokenBatch
+from .base import BatchedProposer, EarlyStop, Proposal
+from .draft_model import DraftModelProposer
+from .prompt_lookup import PromptLookupProposer
+
+
+class HybridProposer(BatchedProposer):
+    """Prompt lookup where a row's context offers a continuation and the policy prefers it, the draft model elsewhere."""
+
+    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer) -> None:
+        self.draft = draft
+        self.lookup = lookup
+        self._found: list[torch.LongTensor] = []  # this step's lookup continuation of every row
+        self._draft_proposal: Proposal | None = None
+
+    @property
+    def model(self):
+        return self.draft.model
+
+    @property
+    def forwards(self) -> int:
+        return self.draft.forwards
+
+    def start(self, batch: TokenBatch) -> None:
+        self.draft.start(batch)
+
+    def backlog(self, batch: TokenBatch) -> torch.LongTensor:
+        return self.draft.backlog(batch)
+
+    def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
+        full = torch.full((batch.batch_size,), max_length, dtype=torch.long, device=batch.tokens.device)
+        self._found = self.lookup.continuations(batch, full)
+        return torch.tensor([f.shape[0] for f in self._found], dtype=torch.long, device=batch.tokens.device)
+
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+    ) -> Proposal:
+        if len(self._found) != batch.batch_size:
+            self.free_lengths(batch, int(lengths.max()))
+        offered = torch.tensor([f.shape[0] for f in self._found], dtype=torch.long, device=lengths.device)  # [batch]
+        if free_rows is None:
+            free_rows = offered >= lengths
+        free_rows = free_rows.to(lengths.device) & (lengths > 0) & (offered > 0)
+        by_draft = torch.where(free_rows, torch.zeros_like(lengths), lengths)
+        self.catchup_seconds, self.catchup_tokens, self._draft_proposal = 0.0, 0, None
+        if int(by_draft.max()) > 0:
+            self._draft_proposal = self.draft.propose(batch, by_draft, early_stop)
+            self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
+        found = [f[: int(n)] if bool(free) else f[:0] for f, n, free in zip(self._found, lengths, free_rows)]
+        self._found = []
+        self.last_free_rows = free_rows
+        return self._merge(PromptLookupProposer.proposal(batch, found), free_rows)
+
+    def commit(self, batch: TokenBatch, proposal: Proposal, accepted: torch.LongTensor) -> None:
+        if self._draft_proposal is not None:  # steps without a proposal commit nothing
+            self.draft.commit(batch, self._draft_proposal, torch.where(self.last_free_rows, 0, accepted))
+            self._draft_proposal = None
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        self.draft.select_rows(keep)
+
+    def release(self) -> None:
+        self.draft.release()
+
+    def _merge(self, looked_up: Proposal, free_rows: torch.BoolTensor) -> Proposal:
+        """One placeholder-padded proposal: lookup rows from `looked_up`, the others from the draft's proposal."""
+        drafted = self._draft_proposal
+        if drafted is None:
+            return looked_up
+        width = max(looked_up.max_length, drafted.max_length)
+        tokens = _pad(drafted.tokens, width, 0)  # [batch, width]
+        tokens = torch.where(free_rows.unsqueeze(1), _pad(looked_up.tokens, width, 0), tokens)
+        lengths = torch.where(free_rows, looked_up.lengths, drafted.lengths)
+        probs = None
+        if drafted.probs is not None:  # sampling: lookup rows proposed their tokens with q one-hot
+            one_hot = torch.nn.functional.one_hot(tokens, drafted.probs.shape[-1]).to(drafted.probs.dtype)
+            padded = torch.nn.functional.pad(drafted.probs, (0, 0, 0, width - drafted.max_length))
+            probs = torch.where(free_rows[:, None, None], one_hot, padded)  # [batch, width, vocab]
+        return Proposal(tokens, lengths, probs)
+
+
+def _pad(tokens: torch.LongTensor, width: int, value: int) -> torch.LongTensor:
+    """`tokens` (`[batch, w]`) padded on the right to `[batch, width]` with placeholder `value`."""
+    return torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=value)

@@ -1,0 +1,85 @@
+"""The goodput controller against synthetic workloads (`hf_dynspec.evaluation.simulate`): bounded loss to plain
+decoding and to the best fixed draft length in hindsight, over many random scenarios with bursts of noise.
+
+Bounds, stated once: over a whole run the controller is at most `LOSS_BOUND` slower than plain decoding (its loss
+budget plus what one mispriced step and interference can add) and at least `HINDSIGHT_BOUND` times as fast as the
+best fixed length, plain included, chosen after the fact. A naive controller (the same search without the loss
+budget) and a fixed maximal length must fail the plain bound on the same kind of scenarios.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_dynspec.evaluation.simulate import Burst, Environment, simulate
+from hf_dynspec.policies import GoodputPolicy, GoodputSettings, StaticPolicy
+
+LOSS_BOUND = GoodputSettings().loss_budget + 0.05
+HINDSIGHT_BOUND = 0.8
+MAX_DRAFT = 6
+
+
+def environment(rng: np.random.Generator) -> Environment:
+    """A random workload: batch size, acceptance per row, cost curve, draft cost, prompt length, bursts of noise."""
+    batch = int(rng.choice([1, 2, 4, 8, 16, 32]))
+    mean = rng.uniform(0.0, 0.95)
+    bursts = tuple(
+        Burst(float(rng.uniform(0, 15)), float(rng.uniform(1, 4)), float(rng.uniform(2, 6)))
+        for _ in range(int(rng.integers(0, 3)))
+    )
+    return Environment(
+        acceptance=tuple(np.clip(mean + rng.uniform(-0.15, 0.15, batch), 0.0, 0.97).tolist()),
+        budgets=tuple(rng.integers(48, 97, batch).tolist()),
+        prompt_tokens=int(rng.integers(50, 400)),
+        flat_tokens=int(rng.integers(8, 65)),
+        draft_ratio=float(rng.uniform(0.05, 0.5)),
+        max_draft_tokens=MAX_DRAFT,
+        bursts=bursts,
+    )
+
+
+def seconds(policy, env: Environment, seed: int) -> float:
+    return simulate(policy, env, seed).seconds
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_controller_loses_little_to_plain_and_to_the_best_fixed_length(seed: int) -> None:
+    env = environment(np.random.default_rng(seed))
+    plain = seconds(StaticPolicy(0), env, seed)
+    best_fixed = min([plain] + [seconds(StaticPolicy(k), env, seed) for k in range(1, MAX_DRAFT + 1)])
+    controller = seconds(GoodputPolicy(GoodputSettings()), env, seed)
+    assert controller <= plain * (1 + LOSS_BOUND), f"{plain / controller:.3f}x plain on {env}"
+    assert best_fixed / controller >= HINDSIGHT_BOUND, f"{best_fixed / controller:.3f}x the best fixed length on {env}"
+
+
+def naive_failures(make_policy, scenarios: int = 30) -> int:
+    failures = 0
+    for seed in range(scenarios):
+        env = environment(np.random.default_rng(seed))
+        failures += seconds(make_policy(), env, seed) > seconds(StaticPolicy(0), env, seed) * (1 + LOSS_BOUND)
+    return failures
+
+
+def test_naive_controllers_fail_the_plain_bound() -> None:
+    assert naive_failures(lambda: GoodputPolicy(GoodputSettings(loss_budget=None))) > 0
+    assert naive_failures(lambda: StaticPolicy(MAX_DRAFT)) > 0
+
+
+def test_controller_speculates_where_it_pays() -> None:
+    """Batch 1, high acceptance, verification nearly free: the controller drafts on most steps and beats plain."""
+    env = Environment(acceptance=(0.9,), budgets=(128,), flat_tokens=40, draft_ratio=0.3)
+    result = simulate(GoodputPolicy(GoodputSettings()), env)
+    plain = seconds(StaticPolicy(0), env, 0)
+    assert result.drafting_steps > 0.7 * result.steps
+    assert plain / result.seconds > 1.4
+
+
+def test_controller_never_drafts_when_the_draft_prefill_cannot_pay() -> None:
+    """Batch 32, compute-bound verification: the draft's prefill alone exceeds the loss budget, so it is never paid."""
+    env = Environment(acceptance=(0.7,) * 32, budgets=(64,) * 32, flat_tokens=16, draft_ratio=0.3)
+    result = simulate(GoodputPolicy(GoodputSettings()), env)
+    assert result.drafting_steps == 0
+    assert result.seconds == seconds(StaticPolicy(0), env, 0)
