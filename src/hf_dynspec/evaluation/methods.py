@@ -8,6 +8,7 @@
 | `hf-prompt-lookup[:N]` | transformers' prompt lookup, `prompt_lookup_num_tokens=N` (default 10) |
 | `dynspec-<policy>[:K]` | `hf_dynspec.generate` with the draft model and policy `<policy>` (at most K draft tokens) |
 | `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
+| `dynspec-hybrid[:K]` | `goodput` with the hybrid proposer: per row and step, prompt lookup or the draft model |
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
@@ -76,6 +77,11 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
         config = DynSpecConfig(num_speculative_tokens=tokens, policy="static")
         return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": tokens}, dynspec_config=config)
+    if base == "dynspec-hybrid":
+        settings = {"policy": "goodput", "proposer": "hybrid", "policy_options": dict((policy_options or {}).get("hybrid", {}))}
+        if argument is not None:
+            settings["num_speculative_tokens"] = _count(name, argument, 0)
+        return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     if base.startswith("dynspec-"):
         policy, _, tag = base[len("dynspec-") :].partition("@")
         policy = POLICY_ALIASES.get(policy, policy)
@@ -88,7 +94,8 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], "
-        "dynspec-prompt-lookup[:N] or dynspec-<policy>[:K] with a policy from hf_dynspec.policies.POLICIES."
+        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K] or dynspec-<policy>[:K] with a policy from "
+        "hf_dynspec.policies.POLICIES."
     )
 
 
