@@ -216,7 +216,7 @@ def linear_profile() -> Profile:
 
 def test_goodput_lengths_rise_as_the_batch_shrinks() -> None:
     policy = GoodputPolicy(GoodputSettings(cost_model="profile", profile=linear_profile().to_dict(),
-                                           prior_acceptance=0.8))
+                                           prior_acceptance=0.8, loss_budget=None))  # the search alone
     policy.reset(32)
     longest = [int(policy.draft_lengths(request(b, 8)).max()) for b in range(32, 0, -1)]
     assert longest == sorted(longest)  # nondecreasing as rows finish

@@ -2,10 +2,11 @@
 
 `LossBudget` makes the `goodput` controller *conservative* in the sense of conservative bandits (Wu et al., 2016):
 speculation is an action whose payoff is uncertain, plain decoding the baseline whose payoff is known, and the
-controller may only take a speculative step if, even when that step accepts nothing, the run stays within a stated
-fraction of plain decoding's time. With
+controller may only take a speculative step if, even when that step accepts nothing, the work it has done stays
+within a stated fraction of plain decoding's time. The ledger spans every `generate` call a policy serves (one call
+for a policy built per call), so short calls together fund what one short call could not. With
 
-- `work`: the plain-decoding seconds the call has done so far (the target's prefill, then per step the plain-step cost
+- `work`: the plain-decoding seconds done so far (each call's target prefill, then per step the plain-step cost
   times the tokens each row emitted on average),
 - `balance`: the seconds speculation has saved so far (plain-equivalent seconds minus the seconds the steps cost, both
   priced by the cost model, so a burst of noise from other processes does not count as a loss or a gain),
@@ -15,8 +16,8 @@ fraction of plain decoding's time. With
 
 a step whose worst case changes the balance by `worst` (negative: its extra cost when every draft token is rejected,
 catch-up included) is allowed when `balance + worst >= -fraction * (work + future)`. Every step taken under this rule
-keeps `balance >= -fraction * (total plain work)`, so the run loses at most `fraction` of plain decoding's time to
-speculation, up to the cost model's error on one step; when speculation pays, the balance grows and the rule stops
+keeps `balance >= -fraction * (total plain work)`, so the policy loses at most `fraction` of plain decoding's time
+to speculation, up to the cost model's error on one step; when speculation pays, the balance grows and the rule stops
 binding. When it does not pay, the controller still probes, at a rate the budget's growth allows.
 """
 

@@ -346,6 +346,14 @@ class OnlineCostModel(PaddedCostModel):
         self.verify = self._fit(self.verify_samples, extrapolate=False)
         self.draft = self._fit(self.draft_samples, extrapolate=False)
 
+    def has_measured(self, tokens: int) -> bool:
+        """Whether a knot with a fresh sample at or beyond `tokens` target tokens (within the tolerance) prices them."""
+        fresh_from = self.steps_observed - self.stale_after
+        return any(
+            knot * (1.0 + self.tolerance) >= tokens and any(step > fresh_from for _, step in values)
+            for knot, values in self.verify_samples.items()
+        )
+
     def optimistic(self) -> PaddedCostModel:
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
         return PaddedCostModel(self._fit(self.verify_samples, True), self._fit(self.draft_samples, True))

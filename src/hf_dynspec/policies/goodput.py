@@ -264,8 +264,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.lookup_acceptance.reset(num_rows)
         if self.stopper is not None:
             self.stopper.reset(num_rows)
-        self.budget.reset()
-        self.plain_streak = 0
+        self.plain_streak = 0  # the loss budget spans every call the policy serves
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
@@ -399,12 +398,12 @@ class GoodputPolicy(DraftLengthPolicy):
         """Seconds speculation saves over the `future` plain seconds of the call, at the lower confidence bound of
         every row's acceptance (draft model only, no catch-up: the catch-up is the cost it is weighed against)."""
         z, batch = self.settings.confidence_z, request.batch_size
-        if self.acceptance.successes.shape[0] == 0 and self.acceptance.pooled_successes == 0:
-            return 0.0
+        if self.acceptance.pooled_successes + self.acceptance.pooled_failures == 0:
+            return 0.0  # nothing observed yet: the budget alone decides
         acceptance = self.acceptance.lower(request.row_ids, z)
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=request.max_draft_tokens)
         lengths = best_draft_lengths(acceptance, caps, request.max_draft_tokens, self.cost_model)
-        if not bool((lengths > 0).any()):
+        if not bool((lengths > 0).any()) or not _measured(self.cost_model, batch, int(lengths.max())):
             return 0.0
         plain_rate = batch / self._plain_seconds(batch)
         rate = float(expected_tokens(acceptance, lengths).sum()) / self._price(batch, lengths, None, 0.0)
@@ -418,6 +417,8 @@ class GoodputPolicy(DraftLengthPolicy):
         z, rows, max_k = self.settings.probe_z, request.row_ids, request.max_draft_tokens
         by_draft = self.acceptance.upper(rows, z) if optimistic else self.acceptance.mean(rows)
         costs = self.cost_model.optimistic() if optimistic and isinstance(self.cost_model, OnlineCostModel) else None
+        # the catch-up is paid once and serves every later step: spread it over the steps left (about two tokens each)
+        catchup /= max(1.0, float(request.remaining_tokens.max()) / 2.0)
         priced = _WithCatchup(costs or self.cost_model, catchup)
         lengths = best_draft_lengths(by_draft, caps, max_k, priced, self.settings.min_gain)
         if request.free_lengths is None:
@@ -452,6 +453,14 @@ class _WithCatchup(StepCostModel):
         seconds = torch.as_tensor(self.inner.candidate_seconds(batch_size, lengths), dtype=torch.float64)
         drafts = (lengths.max(dim=1).values > 0) if lengths.shape[1] else torch.zeros(lengths.shape[0], dtype=torch.bool)
         return seconds + self.catchup * drafts.double()
+
+
+def _measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
+    """Whether an online cost model has confirmed what a step at `batch` rows drafting up to `longest` costs (other
+    cost models are taken at their word)."""
+    if not isinstance(cost_model, OnlineCostModel):
+        return True
+    return cost_model.has_measured(batch * (1 + longest)) and batch in cost_model.draft_samples
 
 
 def _verify_only(cost_model: StepCostModel) -> StepCostModel:
