@@ -30,7 +30,7 @@ def _outputs_text(notebook: nbformat.NotebookNode) -> str:
 @pytest.mark.parametrize(
     "name, parameters, expected",
     [
-        ("benchmark.ipynb", 'MODE = "tiny"\nOUT_DIR = "plots"', ["| 4 | hf-assisted † |", "differ from plain: none"]),
+        ("benchmark.ipynb", 'MODE = "tiny"\nOUT_DIR = "plots"', ["| 4 | hf-assisted † |", "| mismatches: none"]),
         ("goodput_walkthrough.ipynb", 'MODE = "tiny"', ["same tokens as plain greedy decoding: True", "steps were priced"]),
     ],
 )

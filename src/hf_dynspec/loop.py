@@ -188,7 +188,8 @@ class _Run:
         batch = self._emit(batch, first.unsqueeze(1), torch.ones_like(no_drafts), scores)
         self.stats.prefill_seconds = self.placement.clock() - start
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
-        self.policy.observe_prefill(PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio))
+        prefill = PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio)
+        self.policy.observe_prefill(prefill)
         return batch
 
     # ---- one step -----------------------------------------------------------------------------------------------
