@@ -58,10 +58,15 @@ class Environment:
 
 @dataclass
 class Result:
-    """Wall seconds and tokens of one simulated run."""
+    """Wall seconds and tokens of one simulated run.
+
+    `clean_seconds` prices the same steps without the bursts: a burst late in a run slows whichever run is still
+    going, so comparisons of decisions between policies use `clean_seconds`.
+    """
 
     seconds: float
     tokens: int
+    clean_seconds: float = 0.0
     drafting_steps: int = 0
     steps: int = 0
 
@@ -78,7 +83,8 @@ def simulate(policy: DraftLengthPolicy, env: Environment, seed: int = 0) -> Resu
     backlog = np.full(env.batch_size, env.prompt_tokens + 1)
     steps_of_row = np.zeros(env.batch_size, dtype=np.int64)
     policy.reset(env.batch_size)
-    now = env.target_seconds(env.batch_size * env.prompt_tokens) * env.noise(0.0)
+    clean = env.target_seconds(env.batch_size * env.prompt_tokens)
+    now = clean * env.noise(0.0)
     policy.observe_prefill(PrefillFeedback(env.batch_size, env.batch_size * env.prompt_tokens, now, env.draft_ratio))
     result = Result(seconds=0.0, tokens=env.batch_size)
     step = 0
@@ -90,6 +96,7 @@ def simulate(policy: DraftLengthPolicy, env: Environment, seed: int = 0) -> Resu
         lengths = torch.minimum(lengths, request.remaining_tokens - 1).clamp(min=0).numpy()
         accepted = _accepted(env, draws, active, steps_of_row, lengths)
         *seconds, catchup_tokens = _step_seconds(env, active, backlog, lengths, now)
+        clean += sum(seconds) / env.noise(now)
         now += sum(seconds)
         emitted = np.minimum(accepted + 1, remaining[active])
         remaining[active] -= emitted
@@ -104,7 +111,7 @@ def simulate(policy: DraftLengthPolicy, env: Environment, seed: int = 0) -> Resu
             seconds[1], seconds[2], batch * (1 + int(lengths.max())), seconds[0], catchup_tokens,
         ))
         step += 1
-    result.seconds = now
+    result.seconds, result.clean_seconds = now, clean
     return result
 
 

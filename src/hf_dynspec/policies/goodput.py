@@ -385,29 +385,33 @@ class GoodputPolicy(DraftLengthPolicy):
         batch = request.batch_size
         plain = self._plain_seconds(batch)
         future = plain * float(request.remaining_tokens.max())
-        extra = self._price(batch, lengths, self._free, catchup) - plain
-        if extra <= 0 or self._pessimistic_savings(request, future) >= 2.0 * extra:
+        if self._price(batch, lengths, self._free, catchup) <= plain:
             return lengths
+        savings, longest = self._pessimistic_savings(request, future)
+        invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
+        if longest > 0 and savings >= 2.0 * (self._price(batch, invested, self._free, catchup) - plain):
+            return invested
         for longest in range(int(lengths.max()), 0, -1):
             capped = lengths.clamp(max=longest)
             if self.budget.allows(plain - self._price(batch, capped, self._free, catchup), future):
                 return capped
         return torch.zeros_like(lengths)
 
-    def _pessimistic_savings(self, request: PolicyInput, future: float) -> float:
+    def _pessimistic_savings(self, request: PolicyInput, future: float) -> tuple[float, int]:
         """Seconds speculation saves over the `future` plain seconds of the call, at the lower confidence bound of
-        every row's acceptance (draft model only, no catch-up: the catch-up is the cost it is weighed against)."""
+        every row's acceptance (draft model only, no catch-up: the catch-up is the cost it is weighed against), and
+        the longest draft of that pessimistic choice."""
         z, batch = self.settings.confidence_z, request.batch_size
         if self.acceptance.pooled_successes + self.acceptance.pooled_failures == 0:
-            return 0.0  # nothing observed yet: the budget alone decides
+            return 0.0, 0  # nothing observed yet: the budget alone decides
         acceptance = self.acceptance.lower(request.row_ids, z)
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=request.max_draft_tokens)
         lengths = best_draft_lengths(acceptance, caps, request.max_draft_tokens, self.cost_model)
         if not bool((lengths > 0).any()) or not _measured(self.cost_model, batch, int(lengths.max())):
-            return 0.0
+            return 0.0, 0
         plain_rate = batch / self._plain_seconds(batch)
         rate = float(expected_tokens(acceptance, lengths).sum()) / self._price(batch, lengths, None, 0.0)
-        return max(0.0, future * (1.0 - plain_rate / rate))
+        return max(0.0, future * (1.0 - plain_rate / rate)), int(lengths.max())
 
     # ---- the search ------------------------------------------------------------------------------------------------
     def _search(
