@@ -100,7 +100,8 @@ def prompt_lookup_tree(
 
     Args:
         rows: per row, `[num_tokens]` its real tokens (the last one is the root).
-        max_ngram, min_ngram: n-gram sizes tried, as in prompt lookup.
+        max_ngram: longest n-gram tried, as in prompt lookup.
+        min_ngram: shortest n-gram tried.
         budget: most draft nodes per row.
         max_depth: most draft tokens on one path.
         placeholder: token id of padded node slots.
