@@ -380,11 +380,6 @@ def _medians(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:
     return {key: (float(np.median(list(values))), len(values)) for key, values in samples.items() if len(values)}
 
 
-def _fastest(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:
-    """`{key: (minimum, number of samples)}` of `{key: samples}`."""
-    return {key: (float(min(values)), len(values)) for key, values in samples.items() if len(values)}
-
-
 # ---- calibration profiles ------------------------------------------------------------------------------------------
 @dataclass
 class TargetTiming:
