@@ -20,7 +20,7 @@ from hf_dynspec.evaluation.equivalence import (
 )
 from hf_dynspec.evaluation.runner import TIME_FIELDS
 from hf_dynspec.evaluation.tiny import TINY_EOS, TINY_VOCAB, tiny_pair
-from hf_dynspec.verification import verify_greedy
+from hf_dynspec.verification import tree_outcome, verify_tree_greedy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,21 +126,26 @@ def test_margin_recorder_names_plain_token_at_exact_ties():
 
 
 # ---- the bench reports bugs as mismatches -----------------------------------------------------------------------------
-def _accepts_one_too_many(scores, drafts, lengths):
-    accepted, _ = verify_greedy(scores, drafts, lengths)
-    accepted = torch.where(accepted < lengths, accepted + 1, accepted)
-    return accepted, scores.argmax(dim=-1).gather(1, accepted.unsqueeze(1)).squeeze(1)
+def _accepts_one_too_many(scores, tree):
+    outcome = verify_tree_greedy(scores, tree)
+    rows, children = torch.arange(tree.batch_size), tree.children()
+    if children.shape[2] == 0:  # no draft tokens: nothing to accept wrongly
+        return outcome
+    child = children[rows, outcome.last_node, 0]  # one node past the accepted path, where there is one
+    last = torch.where(child >= 0, child, outcome.last_node)
+    return tree_outcome(tree, last, scores.argmax(dim=-1)[rows, last])
 
 
-def _emits_from_the_previous_position(scores, drafts, lengths):
-    accepted, _ = verify_greedy(scores, drafts, lengths)
-    position = (accepted - 1).clamp(min=0)
-    return accepted, scores.argmax(dim=-1).gather(1, position.unsqueeze(1)).squeeze(1)
+def _emits_from_the_previous_position(scores, tree):
+    outcome = verify_tree_greedy(scores, tree)
+    rows = torch.arange(tree.batch_size)
+    before = tree.parents[rows, outcome.last_node].clamp(min=0)
+    return tree_outcome(tree, outcome.last_node, scores.argmax(dim=-1)[rows, before])
 
 
 @pytest.mark.parametrize("bug", [_accepts_one_too_many, _emits_from_the_previous_position])
 def test_injected_verification_bug_is_a_mismatch(pair, monkeypatch, bug):
-    monkeypatch.setattr(hf_dynspec.loop, "verify_greedy", bug)
+    monkeypatch.setattr(hf_dynspec.loop, "verify_tree_greedy", bug)
     settings = bench.BenchSettings(tiny=True, num_prompts=4, batch_sizes=[4], max_new_tokens=12,
                                    methods="plain,dynspec-static:3", repetitions=1, warmup_tokens=0)
     prompts = random_token_prompts(4, TINY_VOCAB, seed=8)

@@ -18,6 +18,8 @@ NON_DEFAULT = {
     "policy": "custom-policy-name",
     "policy_options": {"alpha": 0.5, "window": 3, "nested": {"flag": True}},
     "proposer": "hybrid",
+    "tree_node_budget": 6,
+    "tree_branching": 3,
     "prompt_lookup_max_ngram": 5,
     "prompt_lookup_min_ngram": 2,
     "compact_min_holes": 9,

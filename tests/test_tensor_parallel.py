@@ -21,6 +21,7 @@ from conftest import left_padded_prompts, perturbed, tiny_model
 from hf_dynspec.candidates.base import Proposal
 from hf_dynspec.distributed import DecisionBroadcast, tensor_parallel_group
 from hf_dynspec.placement import Placement
+from hf_dynspec.verification import tree_outcome
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 POLICIES = ["static", "threshold", "batch_table", "goodput", "confidence", "heuristic"]
@@ -155,8 +156,8 @@ def test_single_process_broadcast_is_a_no_op(models) -> None:
     assert not decisions.enabled
     lengths = torch.tensor([3, 0, 2])
     proposal = Proposal(torch.tensor([[5, 6, 7], [0, 0, 0], [8, 9, 0]]), lengths, None)
-    accepted, next_tokens = torch.tensor([1, 0, 2]), torch.tensor([4, 5, 6])
+    tree = proposal.tree(torch.tensor([1, 2, 3]))
+    outcome = tree_outcome(tree, torch.tensor([1, 0, 2]), torch.tensor([4, 5, 6]))
     assert decisions.lengths(lengths) is lengths
     assert decisions.proposal(proposal) is proposal
-    verdict = decisions.verdict(accepted, next_tokens)
-    assert verdict[0] is accepted and verdict[1] is next_tokens
+    assert decisions.verdict(tree, outcome) is outcome

@@ -49,6 +49,15 @@ class DynSpecConfig:
         metadata={"help": "Where draft tokens come from: 'auto' (the assistant model if one is given, else prompt "
                   "lookup), 'hybrid' (per row and step, prompt lookup or the assistant model, as the policy decides)."},
     )
+    tree_node_budget: int = field(
+        default=0,
+        metadata={"help": "Token trees: most draft nodes per row and step (the policy may choose fewer); "
+                  "`num_speculative_tokens` caps the depth. 0 proposes chains."},
+    )
+    tree_branching: int = field(
+        default=2,
+        metadata={"help": "Draft-model trees: children of each expanded node, and nodes expanded per depth."},
+    )
     prompt_lookup_max_ngram: int = field(
         default=3,
         metadata={"help": "Longest n-gram the prompt-lookup proposer tries to match (it falls back to shorter ones)."},
@@ -72,6 +81,8 @@ class DynSpecConfig:
 
     def __post_init__(self) -> None:
         self._check_int("num_speculative_tokens", minimum=0)
+        self._check_int("tree_node_budget", minimum=0)
+        self._check_int("tree_branching", minimum=1)
         self._check_int("prompt_lookup_max_ngram", minimum=1)
         self._check_int("prompt_lookup_min_ngram", minimum=1)
         self._check_int("compact_min_holes", minimum=1)

@@ -24,7 +24,9 @@ from transformers.distributed.fsdp import is_fsdp_managed_module
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .candidates.base import Proposal
+from .candidates.tree import TokenTree
 from .placement import Placement
+from .verification import TreeVerification, tree_outcome
 
 
 def tensor_parallel_group(model: PreTrainedModel) -> dist.ProcessGroup | None:
@@ -84,38 +86,41 @@ class DecisionBroadcast:
         return cls(group, placement.loop_device)
 
     def lengths(self, lengths: torch.LongTensor) -> torch.LongTensor:
-        """Rank 0's draft lengths `[batch]` (the policy's choice, already capped)."""
+        """Rank 0's per-row counts `[batch]`: draft lengths (tree depths) or tree node budgets, already capped."""
         if not self.enabled:
             return lengths
         return self._broadcast(lengths)
 
     def proposal(self, proposal: Proposal) -> Proposal:
-        """Rank 0's draft tokens `[batch, width]` and lengths `[batch]`.
+        """Rank 0's draft tokens `[batch, width]`, lengths `[batch]` and, for trees, parent nodes `[batch, width]`.
 
         The draft probabilities (`[batch, width, vocab]`, sampling only) are not sent: only rank 0's verifier output
         counts (`verdict`), and it is computed with rank 0's own probabilities. The other ranks keep `probs=None`,
         so their (discarded) verification never reads probabilities of tokens they did not propose. Under greedy
-        decoding every rank's draft proposes the same tokens anyway.
+        decoding every rank's draft proposes the same tokens anyway. Every rank runs the same proposer, so all of
+        them know whether a tree (with parents) is coming.
         """
         if not self.enabled:
             return proposal
         batch = proposal.lengths.shape[0]
         width = int(self._broadcast(torch.tensor([proposal.max_length]))[0])
-        packed = torch.cat([proposal.lengths.unsqueeze(1), proposal.tokens], dim=1)  # [batch, 1 + local width]
+        parts = [proposal.lengths.unsqueeze(1), proposal.tokens]
+        if proposal.parents is not None:
+            parts.append(proposal.parents)
+        packed = torch.cat(parts, dim=1)  # [batch, 1 + local width (x2 for trees)]
         if not self.is_source:
-            packed = proposal.tokens.new_zeros((batch, 1 + width))  # [batch, 1 + width], filled by the broadcast
+            packed = proposal.tokens.new_zeros((batch, 1 + width * (len(parts) - 1)))  # filled by the broadcast
         packed = self._broadcast(packed)
+        parents = packed[:, 1 + width :] if proposal.parents is not None else None
         probs = proposal.probs if self.is_source else None
-        return Proposal(tokens=packed[:, 1:], lengths=packed[:, 0], probs=probs)
+        return Proposal(tokens=packed[:, 1 : 1 + width], lengths=packed[:, 0], probs=probs, parents=parents)
 
-    def verdict(
-        self, accepted: torch.LongTensor, next_tokens: torch.LongTensor
-    ) -> tuple[torch.LongTensor, torch.LongTensor]:
-        """Rank 0's accepted counts `[batch]` and next tokens `[batch]` (recovered or bonus tokens)."""
+    def verdict(self, tree: TokenTree, outcome: TreeVerification) -> TreeVerification:
+        """Rank 0's verification outcome: where each row's accepted path ends and the token after it."""
         if not self.enabled:
-            return accepted, next_tokens
-        both = self._broadcast(torch.stack([accepted, next_tokens]))  # [2, batch]
-        return both[0], both[1]
+            return outcome
+        both = self._broadcast(torch.stack([outcome.last_node, outcome.next_tokens]))  # [2, batch]
+        return tree_outcome(tree, both[0], both[1])
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's value of `tensor` (same shape and dtype on every rank), on `tensor`'s device; never in place."""

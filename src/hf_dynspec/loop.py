@@ -16,17 +16,20 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import RaggedCache, check_cache_supported
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
+from .candidates.draft_tree import DraftTreeProposer
 from .candidates.hybrid import HybridProposer
 from .candidates.prompt_lookup import PromptLookupProposer
+from .candidates.tree import TokenTree
+from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
 from .distributed import DecisionBroadcast
 from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
-from .processors import process_logits
+from .processors import process_logits, process_tree_logits
 from .sequences import TokenBatch
 from .stats import DynSpecStats, StepRecord
 from .validation import validate_inputs
-from .verification import verify_greedy, verify_sampling
+from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling
 
 
 @dataclass
@@ -113,6 +116,11 @@ class _Run:
         self.input_ids = input_ids
 
     def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
+        if self.config.proposer == "hybrid" and self.config.tree_node_budget:
+            raise ValueError(
+                "DynSpecConfig(proposer='hybrid') proposes chains; set `tree_node_budget=0`, or keep the tree and use "
+                "proposer='auto' (a draft-model tree with `assistant_model`, a prompt-lookup trie without)."
+            )
         if draft is None:
             if self.config.proposer == "hybrid":
                 raise ValueError(
@@ -120,13 +128,19 @@ class _Run:
                     "`assistant_model=<draft model>` (and no `prompt_lookup_num_tokens`), or drop proposer='hybrid'."
                 )
             return self._lookup_proposer(int(self.generation_config.prompt_lookup_num_tokens))
+        if self.config.tree_node_budget:
+            return DraftTreeProposer(
+                draft, self.logits_processor, self.generation_config, self.placement, self.config,
+                branching=self.config.tree_branching,
+            )
         model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
         if self.config.proposer == "hybrid" and self.config.num_speculative_tokens > 0:
             return HybridProposer(model, self._lookup_proposer(self.config.num_speculative_tokens))
         return model
 
     def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
-        return PromptLookupProposer(
+        kind = LookupTreeProposer if self.config.tree_node_budget else PromptLookupProposer
+        return kind(
             max_ngram=self.config.prompt_lookup_max_ngram,
             min_ngram=self.config.prompt_lookup_min_ngram,
             num_output_tokens=num_tokens,
@@ -182,10 +196,10 @@ class _Run:
             pad_id=self.pad_id,
         )
         scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
-        no_drafts = torch.zeros_like(batch.num_prompt)
-        _, first = self._verify(scores, input_ids[:, :0], no_drafts, None)
+        root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
+        first = self._verify(scores, root_only, None)
         self.proposer.start(batch)
-        batch = self._emit(batch, first.unsqueeze(1), torch.ones_like(no_drafts), scores)
+        batch = self._emit(batch, first.emitted, first.accepted + 1, scores)
         self.stats.prefill_seconds = self.placement.clock() - start
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefill = PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio)
@@ -196,47 +210,59 @@ class _Run:
     def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
         """Draft, verify in one target forward, accept, emit; returns the batch of rows still running."""
         begun = self.placement.clock()
-        requested, free_rows = self._requested_lengths(batch, step)
+        requested, free_rows, node_budgets = self._requested_lengths(batch, step)
 
         start = self.placement.clock()
         early_stop = self._early_stop_for(batch.row_ids)
         if int(requested.max()) > 0:
-            proposal = self.decisions.proposal(self.proposer.propose(batch, requested, early_stop, free_rows))
+            proposal = self.proposer.propose(batch, requested, early_stop, free_rows, node_budgets)
+            proposal = self.decisions.proposal(proposal)
             catchup = self.proposer.catchup_seconds
         else:
             proposal, catchup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0
         drafted = self.placement.clock()
 
-        width = proposal.max_length
-        inputs = torch.cat([batch.last_tokens().unsqueeze(1), proposal.tokens], dim=1)  # [batch, 1 + width]
-        positions = (batch.num_real - 1).unsqueeze(1) + torch.arange(width + 1, device=inputs.device)
-        logits = self._target_forward(inputs, torch.ones_like(inputs), positions, width + 1)  # [batch, 1 + width, vocab]
-        scores = process_logits(self.logits_processor, batch, proposal.tokens, logits, lengths=proposal.lengths)
-        accepted, next_tokens = self._verify(scores, proposal.tokens, proposal.lengths, proposal.probs)
+        # The proposal as a token tree (a chain is a tree of single children): the target checks every node at once.
+        tree = proposal.tree(batch.last_tokens())
+        nodes = tree.num_nodes
+        positions = tree.position_ids(batch.num_real - 1)  # [batch, nodes]
+        visibility = tree.visibility(self.target_cache.length)  # [batch, nodes, length + nodes]
+        logits = self._target_forward(tree.tokens, tree.valid.long(), positions, nodes, visibility)  # [b, nodes, v]
+        scores = process_tree_logits(self.logits_processor, batch, tree, logits)
+        outcome = self._verify(scores, tree, proposal.node_probs(tree))
         verified = self.placement.clock()
 
-        kept = torch.arange(width + 1, device=inputs.device).unsqueeze(0) <= accepted.unsqueeze(1)
-        self.target_cache.set_last(kept.long())
+        self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
         self.target_cache.settle()
-        self.proposer.commit(batch, proposal, accepted)
-        # Row b emits its accepted draft tokens, then the recovered or bonus token at index accepted[b].
-        emitted = torch.cat([proposal.tokens, next_tokens.unsqueeze(1)], dim=1)  # [batch, width + 1]
-        emitted.scatter_(1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
-        self._observe(requested, proposal, accepted, drafted - start - catchup, catchup, verified - drafted, batch)
-        batch = self._emit(batch, emitted, accepted + 1, scores)
+        self.proposer.commit(batch, proposal, outcome.kept)
+        self._observe(requested, proposal, tree, outcome, drafted - start - catchup, catchup, verified - drafted, batch)
+        path_scores = self._path_scores(scores, outcome) if self.extra_criteria else None
+        batch = self._emit(batch, outcome.emitted, outcome.accepted + 1, path_scores)
         self._account_overhead(self.placement.clock() - begun - (drafted - start) - (verified - drafted))
         return batch
+
+    @staticmethod
+    def _path_scores(scores: torch.Tensor, outcome: TreeVerification) -> torch.Tensor:
+        """`[batch, max_depth + 1, vocab]` scores before each emitted token: at the root, then along the path."""
+        rows = torch.arange(scores.shape[0], device=scores.device).unsqueeze(1)
+        before = torch.cat([outcome.path.new_zeros((scores.shape[0], 1)), outcome.path.clamp(min=0)], dim=1)
+        return scores[rows, before]
 
     def _account_overhead(self, seconds: float) -> None:
         """Loop time of a step outside drafting, catch-up and verification (policy, acceptance, bookkeeping)."""
         if self.config.collect_step_stats and self.stats.steps:
             self.stats.steps[-1].overhead_seconds = seconds
 
-    def _requested_lengths(self, batch: TokenBatch, step: int) -> tuple[torch.LongTensor, torch.BoolTensor | None]:
-        """The policy's draft lengths, capped so no row drafts past its remaining length budget, and the rows it
-        serves from the model-free proposal (hybrid proposers; `None` otherwise)."""
+    def _requested_lengths(
+        self, batch: TokenBatch, step: int
+    ) -> tuple[torch.LongTensor, torch.BoolTensor | None, torch.LongTensor | None]:
+        """The policy's draft lengths (tree depths), capped so no row drafts past its remaining length budget; the
+        rows it serves from the model-free proposal (hybrid proposers; `None` otherwise); and each row's tree node
+        budget (`None` for chains)."""
         backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_draft)
-        request = PolicyInput(step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths)
+        request = PolicyInput(
+            step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget
+        )
         lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):
             raise ValueError(
@@ -245,7 +271,11 @@ class _Run:
             )
         lengths = self.decisions.lengths(lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0))
         free_rows = self.policy.free_rows(request) if free_lengths is not None else None
-        return lengths, free_rows.to(lengths.device) if free_rows is not None else None
+        budgets = None
+        if self.config.tree_node_budget:
+            budgets = self.policy.node_budgets(request, lengths).to(lengths.device)
+            budgets = self.decisions.lengths(torch.where(lengths > 0, budgets.clamp(1, self.config.tree_node_budget), 0))
+        return lengths, free_rows.to(lengths.device) if free_rows is not None else None, budgets
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
@@ -254,28 +284,33 @@ class _Run:
         return lambda position, probs: self.policy.continue_drafting(row_ids, position, probs)
 
     def _target_forward(
-        self, ids: torch.LongTensor, query_mask: torch.LongTensor, positions: torch.LongTensor, keep: int
+        self,
+        ids: torch.LongTensor,
+        query_mask: torch.LongTensor,
+        positions: torch.LongTensor,
+        keep: int,
+        visibility: torch.BoolTensor | None = None,
     ) -> torch.Tensor:
         """`[batch, keep, vocab]` float32 target logits for the last `keep` of the new tokens."""
         self.stats.target_forwards += 1
-        return self.placement.forward(self.model, self.target_cache, ids, query_mask, positions, keep)
+        return self.placement.forward(self.model, self.target_cache, ids, query_mask, positions, keep, visibility)
 
-    def _verify(
-        self,
-        scores: torch.Tensor,
-        drafts: torch.LongTensor,
-        lengths: torch.LongTensor,
-        draft_probs: torch.Tensor | None,
-    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+    def _verify(self, scores: torch.Tensor, tree: TokenTree, draft_probs: torch.Tensor | None) -> TreeVerification:
+        """Verify `tree` against the processed target scores at its nodes (`[batch, nodes, vocab]`)."""
         if self.do_sample:
-            return self.decisions.verdict(*verify_sampling(scores.softmax(dim=-1), drafts, lengths, draft_probs))
-        return self.decisions.verdict(*verify_greedy(scores, drafts, lengths))
+            outcome = verify_tree_sampling(scores.softmax(dim=-1), tree, draft_probs)
+        else:
+            outcome = verify_tree_greedy(scores, tree)
+        return self.decisions.verdict(tree, outcome)
 
     # ---- emitting tokens and finishing rows --------------------------------------------------------------------------
     def _emit(
-        self, batch: TokenBatch, emitted: torch.LongTensor, counts: torch.LongTensor, scores: torch.Tensor
+        self, batch: TokenBatch, emitted: torch.LongTensor, counts: torch.LongTensor, scores: torch.Tensor | None
     ) -> TokenBatch:
-        """Append each row's emitted tokens up to its first stop; move finished rows to the output."""
+        """Append each row's emitted tokens up to its first stop; move finished rows to the output.
+
+        `scores` (`[batch, width, vocab]`, needed only with extra stopping criteria) are those before each emitted token.
+        """
         counts = counts.minimum(batch.remaining)
         finished = counts >= batch.remaining
         counts, finished = self._cut_at_eos(emitted, counts, finished)
@@ -305,7 +340,7 @@ class _Run:
         emitted: torch.LongTensor,
         counts: torch.LongTensor,
         finished: torch.BoolTensor,
-        scores: torch.Tensor,
+        scores: torch.Tensor | None,
     ) -> tuple[torch.LongTensor, torch.BoolTensor]:
         """Stopping criteria other than length and EOS (stop strings, max time, user criteria), token by token."""
         if not self.extra_criteria:
@@ -336,24 +371,26 @@ class _Run:
         self,
         requested: torch.LongTensor,
         proposal: Proposal,
-        accepted: torch.LongTensor,
+        tree: TokenTree,
+        outcome: TreeVerification,
         draft_seconds: float,
         catchup_seconds: float,
         verify_seconds: float,
         batch: TokenBatch,
     ) -> None:
-        target_tokens = batch.batch_size * (proposal.max_length + 1)
+        target_tokens = batch.batch_size * tree.num_nodes
+        depths = tree.depths.max(dim=1).values  # [batch] draft tokens on each row's longest path (chains: lengths)
         free_rows = self.proposer.last_free_rows if proposal.max_length else None
         catchup_tokens = self.proposer.catchup_tokens if catchup_seconds > 0 else 0
         feedback = StepFeedback(
-            batch.row_ids, requested, proposal.lengths, accepted, draft_seconds, verify_seconds, target_tokens,
+            batch.row_ids, requested, depths, outcome.accepted, draft_seconds, verify_seconds, target_tokens,
             catchup_seconds, catchup_tokens, free_rows,
         )
         self.policy.observe(feedback)
         stats = self.stats
         stats.num_steps += 1
         stats.draft_tokens += int(proposal.lengths.sum())
-        stats.accepted_tokens += int(accepted.sum())
+        stats.accepted_tokens += int(outcome.accepted.sum())
         stats.draft_seconds += draft_seconds
         stats.catchup_seconds += catchup_seconds
         stats.verify_seconds += verify_seconds
@@ -365,7 +402,7 @@ class _Run:
                     row_ids=batch.row_ids.tolist(),
                     requested_lengths=requested.tolist(),
                     draft_lengths=proposal.lengths.tolist(),
-                    accepted=accepted.tolist(),
+                    accepted=outcome.accepted.tolist(),
                     emitted=[],
                     draft_seconds=draft_seconds,
                     verify_seconds=verify_seconds,
@@ -373,6 +410,7 @@ class _Run:
                     catchup_seconds=catchup_seconds,
                     catchup_tokens=catchup_tokens,
                     free_rows=free_rows.tolist() if free_rows is not None else None,
+                    draft_depths=depths.tolist() if proposal.parents is not None else None,
                 )
             )
 

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import RaggedCache
+from .candidates.tree import block_attention_mask
 
 
 @functools.cache
@@ -116,6 +117,7 @@ class Placement:
         query_mask: torch.LongTensor,
         positions: torch.LongTensor,
         keep: int,
+        visibility: torch.BoolTensor | None = None,
     ) -> torch.Tensor:
         """One forward of `model` (target or draft) over new tokens, extending its ragged cache.
 
@@ -126,12 +128,17 @@ class Placement:
             query_mask: `[batch, width]` 1 on real tokens, 0 on padding inside the block.
             positions: `[batch, width]` position ids of the new tokens.
             keep: how many trailing positions need logits.
+            visibility: `[batch, width, length + width]` what each new token may see (token trees, see
+                `TokenTree.visibility`), passed as a 4D mask; `None` for a causal block (2D mask).
 
         Returns:
             `[batch, keep, vocab]` float32 logits on the loop device.
         """
         device = input_device(model)
+        cache_valid = cache.valid
         attention_mask = cache.begin(query_mask)
+        if visibility is not None:
+            attention_mask = block_attention_mask(cache_valid, visibility.to(cache_valid.device), model.dtype)
         output = model(
             input_ids=ids.to(device, non_blocking=True),
             attention_mask=attention_mask.to(device, non_blocking=True),

@@ -1,8 +1,9 @@
 """Logits processors over ragged rows and several positions per row, exactly as plain `generate` applies them.
 
 Plain `generate` calls each processor with the `input_ids` it holds at that point. In the speculative loop, row `b`
-at position `j` of a step stands where plain decoding would hold the row's plain prefix followed by its first `j`
-draft tokens. Processors that never read `input_ids` (temperature, top-k, top-p, ...) run once over every row and
+at position `j` of a chain stands where plain decoding would hold the row's plain prefix followed by its first `j`
+draft tokens; at node `j` of a token tree, followed by the draft tokens on the path from the root to `j`. Both are
+*items*: a row and the draft tokens after its plain prefix. Processors that never read `input_ids` (temperature, top-k, top-p, ...) run once over every row and
 position; any other processor (repetition penalty, minimum length, user processors, ...) runs once per row and
 position with that exact prefix, placed in the row's slot of a batch as wide as the one `generate` received (some
 processors keep per-row state, such as the repetition penalty's padding lengths), so the processed scores equal plain
@@ -27,6 +28,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from .candidates.tree import TokenTree
 from .sequences import TokenBatch
 
 # Processors whose output depends on the scores alone, never on `input_ids`.
@@ -50,9 +52,8 @@ def process_logits(
     drafts: torch.LongTensor,
     scores: torch.Tensor,
     first_position: int = 0,
-    lengths: torch.LongTensor | None = None,
 ) -> torch.Tensor:
-    """Apply `processors` to scores at several positions of every row.
+    """Apply `processors` to scores at several chain positions of every row.
 
     Args:
         processors: the list `generate` prepared.
@@ -61,8 +62,6 @@ def process_logits(
         scores: `[batch, positions, vocab]` float32 logits; position `i` follows the row's plain prefix and
             `drafts[:, :first_position + i]`.
         first_position: number of draft tokens before the first position of `scores`.
-        lengths: `[batch]` optional draft lengths; positions past `lengths[b]` are never read by the verifier, so
-            prefix-dependent processors skip them (their scores stay unprocessed).
 
     Returns:
         `[batch, positions, vocab]` processed scores.
@@ -70,47 +69,81 @@ def process_logits(
     if not processors:
         return scores
     num_rows, positions, vocab = scores.shape
+    rows = torch.arange(num_rows, device=scores.device).repeat_interleave(positions)  # [batch * positions]
+    depths = (first_position + torch.arange(positions, device=scores.device)).repeat(num_rows)  # [batch * positions]
+    flat = process_path_logits(processors, batch, rows, drafts[rows], depths, scores.reshape(-1, vocab))
+    return flat.reshape(num_rows, positions, vocab)
+
+
+def process_tree_logits(
+    processors: LogitsProcessorList, batch: TokenBatch, tree: TokenTree, scores: torch.Tensor
+) -> torch.Tensor:
+    """Apply `processors` to the scores at every valid node of `tree` (`[batch, nodes, vocab]`).
+
+    The scores at node `j` follow the row's plain prefix and the draft tokens on the path from the root to `j`.
+    Placeholder slots keep their unprocessed scores (the verifier never reads them).
+    """
+    if not processors:
+        return scores
+    rows, nodes = tree.valid.nonzero(as_tuple=True)  # [items] each
+    paths = tree.paths()[rows, nodes, 1:]  # [items, max_depth] path nodes after the root, -1 padded
+    drafts = tree.tokens[rows].gather(1, paths.clamp(min=0))  # [items, max_depth]
+    out = scores.clone()
+    out[rows, nodes] = process_path_logits(processors, batch, rows, drafts, tree.depths[rows, nodes], scores[rows, nodes])
+    return out
+
+
+def process_path_logits(
+    processors: LogitsProcessorList,
+    batch: TokenBatch,
+    rows: torch.LongTensor,  # [items] row of each item
+    drafts: torch.LongTensor,  # [items, width] draft tokens after the row's plain prefix
+    depths: torch.LongTensor,  # [items] how many of them precede the item's scores
+    scores: torch.Tensor,  # [items, vocab]
+) -> torch.Tensor:
+    """Apply every processor to each item's scores (`[items, vocab]`) with the item's prefix: the plain prefix of
+    its row followed by the first `depths[i]` of its draft tokens."""
+    if not processors:
+        return scores
     for processor in processors:
         if isinstance(processor, PREFIX_FREE_PROCESSORS):
-            flat_ids = scores.new_zeros((num_rows * positions, 0), dtype=torch.long)
-            scores = processor(flat_ids, scores.reshape(-1, vocab)).reshape(num_rows, positions, vocab)
+            scores = processor(scores.new_zeros((scores.shape[0], 0), dtype=torch.long), scores)
         elif type(processor) is RepetitionPenaltyLogitsProcessor:
-            scores = _repetition_penalty(processor, batch, drafts, scores, first_position)
+            scores = _repetition_penalty(processor, batch, rows, drafts, depths, scores)
         else:
-            scores = _apply_per_prefix(processor, batch, drafts, scores, first_position, lengths)
+            scores = _apply_per_prefix(processor, batch, rows, drafts, depths, scores)
     return scores
 
 
 def _apply_per_prefix(
     processor,
     batch: TokenBatch,
+    rows: torch.LongTensor,
     drafts: torch.LongTensor,
+    depths: torch.LongTensor,
     scores: torch.Tensor,
-    first_position: int,
-    lengths: torch.LongTensor | None,
 ) -> torch.Tensor:
     out = scores.clone()
-    for row in range(scores.shape[0]):
-        slot = int(batch.row_ids[row])
-        last = scores.shape[1] if lengths is None else min(scores.shape[1], int(lengths[row]) - first_position + 1)
-        for i in range(max(last, 1)):
-            prefix = batch.plain_prefix(row, drafts[row, : first_position + i])  # [1, length]
-            # The row sits in its own slot of a batch as wide as the original one; the other slots are copies.
-            wide_ids = prefix.expand(batch.original_batch_size, -1)
-            wide_scores = scores[row, i].unsqueeze(0).expand(wide_ids.shape[0], -1).clone()
-            out[row, i] = processor(wide_ids, wide_scores)[slot]
+    for item in range(scores.shape[0]):
+        row = int(rows[item])
+        prefix = batch.plain_prefix(row, drafts[item, : int(depths[item])])  # [1, length]
+        # The row sits in its own slot of a batch as wide as the original one; the other slots are copies.
+        wide_ids = prefix.expand(batch.original_batch_size, -1)
+        wide_scores = scores[item].unsqueeze(0).expand(wide_ids.shape[0], -1).clone()
+        out[item] = processor(wide_ids, wide_scores)[int(batch.row_ids[row])]
     return out
 
 
 def _repetition_penalty(
     processor: RepetitionPenaltyLogitsProcessor,
     batch: TokenBatch,
+    rows: torch.LongTensor,
     drafts: torch.LongTensor,
+    depths: torch.LongTensor,
     scores: torch.Tensor,
-    first_position: int,
 ) -> torch.Tensor:
-    """Vectorised `RepetitionPenaltyLogitsProcessor` over rows and positions (same formula, same ignored prompt)."""
-    num_rows, positions, vocab = scores.shape
+    """Vectorised `RepetitionPenaltyLogitsProcessor` over items (same formula, same ignored prompt)."""
+    vocab = scores.shape[1]
     ignore = processor.prompt_ignore_length
     if ignore is None:
         start = torch.zeros_like(batch.num_generated)
@@ -122,15 +155,11 @@ def _repetition_penalty(
     end = (batch.prompt_width + batch.num_generated).unsqueeze(1)
     in_prefix = (columns >= start.unsqueeze(1)) & (columns < end)  # [batch, width]
     ids = torch.where(in_prefix, batch.tokens.clamp(max=vocab), torch.full_like(batch.tokens, vocab))
-    present = torch.zeros((num_rows, vocab + 1), dtype=torch.bool, device=scores.device)
+    present = torch.zeros((batch.batch_size, vocab + 1), dtype=torch.bool, device=scores.device)
     present.scatter_(1, ids.to(scores.device), True)
-    if first_position:
-        present.scatter_(1, drafts[:, :first_position].clamp(max=vocab).to(scores.device), True)
-    out = torch.empty_like(scores)
-    for i in range(positions):
-        if i:
-            present.scatter_(1, drafts[:, first_position + i - 1 : first_position + i].to(scores.device), True)
-        row_scores = scores[:, i]
-        penalised = torch.where(row_scores < 0, row_scores * processor.penalty, row_scores / processor.penalty)
-        out[:, i] = torch.where(present[:, :vocab], penalised, row_scores)
-    return out
+    present = present[rows.to(scores.device)]  # [items, vocab + 1]
+    in_path = torch.arange(drafts.shape[1], device=drafts.device).unsqueeze(0) < depths.unsqueeze(1)
+    path_ids = torch.where(in_path, drafts.clamp(max=vocab), torch.full_like(drafts, vocab))  # [items, width]
+    present.scatter_(1, path_ids.to(scores.device), True)
+    penalised = torch.where(scores < 0, scores * processor.penalty, scores / processor.penalty)
+    return torch.where(present[:, :vocab], penalised, scores)

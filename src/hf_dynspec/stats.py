@@ -3,7 +3,8 @@
 Vocabulary (used the same way in code, docs and these fields):
 
 - *draft tokens*: tokens a proposer suggests for a row in one step; their count is the row's *draft length*.
-- *accepted tokens*: the leading draft tokens the verifier keeps.
+- *accepted tokens*: the leading draft tokens the verifier keeps (in a token tree: the draft tokens on the accepted
+  path from the root).
 - *recovered token*: the token the verifier samples (or picks greedily) at the first rejected position.
 - *bonus token*: the token the verifier samples after the last draft token when every draft token was accepted.
 - *emitted tokens*: what a row gains in a step: its accepted tokens plus one recovered or bonus token, cut short when
@@ -28,7 +29,8 @@ class StepRecord:
     draft_seconds: float
     verify_seconds: float
     target_tokens: int
-    """Tokens the target processed in the verify forward, padding included (`batch_size * (1 + max draft length)`)."""
+    """Tokens the target processed in the verify forward, padding included (`batch_size * (1 + max draft length)`;
+    for trees, `batch_size * (1 + most draft nodes in a row)`)."""
     catchup_seconds: float = 0.0
     """Draft time spent catching up on a backlog (the draft's prompt prefill), excluded from `draft_seconds`."""
     catchup_tokens: int = 0
@@ -37,6 +39,9 @@ class StepRecord:
     """Loop time of the step outside drafting, catch-up and verification (policy, acceptance, bookkeeping)."""
     free_rows: list[bool] | None = None
     """Hybrid proposer: True where the row's draft tokens came from prompt lookup (no draft forward)."""
+    draft_depths: list[int] | None = None
+    """Token trees: depth of each row's tree (its longest path). `draft_lengths` then counts the tree's draft nodes,
+    `accepted` the length of the accepted path; `None` for chains, whose depth is their draft length."""
 
 
 @dataclass

@@ -139,7 +139,7 @@ def verify_tree_greedy(
     # Siblings carry distinct tokens, so at most one node per depth is reachable: the deepest ends the path.
     last_node = torch.where(reachable, tree.depths, -1).argmax(dim=1)  # [batch]
     next_tokens = target_tokens.gather(1, last_node.unsqueeze(1)).squeeze(1)
-    return _tree_outcome(tree, last_node, next_tokens, paths)
+    return tree_outcome(tree, last_node, next_tokens, paths)
 
 
 def verify_tree_sampling(
@@ -188,7 +188,7 @@ def verify_tree_sampling(
         if not bool(descending.any()):
             break
     next_tokens = torch.multinomial(distribution, 1, generator=generator).squeeze(1)
-    return _tree_outcome(tree, current, next_tokens, tree.paths())
+    return tree_outcome(tree, current, next_tokens, tree.paths())
 
 
 def _reject_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -205,12 +205,14 @@ def _without_token(q: torch.Tensor, token: torch.LongTensor) -> torch.Tensor:
     return removed / total.clamp(min=torch.finfo(q.dtype).tiny)
 
 
-def _tree_outcome(
+def tree_outcome(
     tree: TokenTree,
     last_node: torch.LongTensor,  # [batch]
     next_tokens: torch.LongTensor,  # [batch]
-    paths: torch.LongTensor,  # [batch, nodes, max_depth + 1]
+    paths: torch.LongTensor | None = None,  # [batch, nodes, max_depth + 1] `tree.paths()`, if already computed
 ) -> TreeVerification:
+    """The outcome of stopping at `last_node` with `next_tokens`: accepted path, kept nodes and emitted tokens."""
+    paths = tree.paths() if paths is None else paths
     rows = torch.arange(tree.batch_size, device=tree.tokens.device)
     accepted = tree.depths[rows, last_node]  # [batch]
     path = paths[rows, last_node, 1:]  # [batch, max_depth]

@@ -2,13 +2,16 @@
 
 from .base import BatchedProposer, Proposal
 from .draft_model import DraftModelProposer
+from .draft_tree import DraftTreeProposer
 from .prompt_lookup import PromptLookupProposer
 from .tree import TokenTree
-from .trie import prompt_lookup_tree
+from .trie import LookupTreeProposer, prompt_lookup_tree
 
 __all__ = [
     "BatchedProposer",
     "DraftModelProposer",
+    "DraftTreeProposer",
+    "LookupTreeProposer",
     "PromptLookupProposer",
     "Proposal",
     "TokenTree",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sequences import TokenBatch
+from .tree import TokenTree
 
 # Called after each draft position with (position, draft probability of each proposed token `[batch]`); returns
 # `[batch]` bool, False where a row stops drafting, or None to keep going.
@@ -17,19 +18,42 @@ EarlyStop = Callable[[int, torch.Tensor], "torch.BoolTensor | None"]
 
 @dataclass
 class Proposal:
-    """Draft tokens for every active row.
+    """Draft tokens for every active row: a chain per row, or a tree when `parents` is given.
 
     Rows propose different numbers of tokens; `tokens` is padded to the longest row with placeholder tokens (ignored
-    by the verifier: only the first `lengths[b]` entries of row `b` are draft tokens).
+    by the verifier: only the first `lengths[b]` entries of row `b` are draft tokens). Draft token `i` is node `i + 1`
+    of the row's `TokenTree`, whose root (node 0) is the row's newest committed token. In a chain the parent of node
+    `i + 1` is node `i`; a tree proposal names each draft token's parent node in `parents`.
     """
 
     tokens: torch.LongTensor  # [batch, max_length] draft tokens, placeholder-padded
-    lengths: torch.LongTensor  # [batch] draft length per row (0 allowed)
+    lengths: torch.LongTensor  # [batch] draft tokens per row (0 allowed)
     probs: torch.Tensor | None  # [batch, max_length, vocab] distribution q each token was sampled from; None = one-hot
+    parents: torch.LongTensor | None = None  # [batch, max_length] parent node of each draft token; None = a chain
 
     @property
     def max_length(self) -> int:
         return int(self.tokens.shape[1])
+
+    def tree(self, root: torch.LongTensor) -> TokenTree:
+        """The proposal as a `TokenTree` of `1 + max_length` nodes under `root` (`[batch]` newest committed tokens)."""
+        if self.parents is None:
+            return TokenTree.from_chain(self.tokens, self.lengths, root)
+        valid = torch.arange(self.max_length + 1, device=self.tokens.device).unsqueeze(0) <= self.lengths.unsqueeze(1)
+        tokens = torch.cat([root.unsqueeze(1).to(self.tokens.device), self.tokens], dim=1)  # [batch, 1 + max_length]
+        parents = torch.cat([torch.full_like(self.lengths, -1).unsqueeze(1), self.parents], dim=1)
+        return TokenTree.from_parents(tokens, parents, valid)
+
+    def node_probs(self, tree: TokenTree) -> torch.Tensor | None:
+        """`[batch, nodes, vocab]`: at node `j`, the distribution `q` its children were drawn from (`None`: one-hot)."""
+        if self.probs is None:
+            return None
+        batch, _, vocab = self.probs.shape
+        probs = self.probs.new_zeros((batch, tree.num_nodes, vocab))
+        parents = tree.parents[:, 1:]  # [batch, max_length] parent of each draft token, -1 on placeholders
+        into = torch.where(parents >= 0, parents, tree.num_nodes - 1)  # placeholders write into the last slot
+        probs.scatter_(1, into.unsqueeze(2).expand(-1, -1, vocab), self.probs)
+        return probs
 
 
 class BatchedProposer(ABC):
@@ -61,10 +85,12 @@ class BatchedProposer(ABC):
         lengths: torch.LongTensor,
         early_stop: EarlyStop | None = None,
         free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         """Propose up to `lengths[b]` (`[batch]`, 0 allowed) draft tokens for each row of `batch`.
 
         `free_rows` (`[batch]`, hybrid proposers only) marks the rows to serve from the model-free proposal.
+        `node_budgets` (`[batch]`, tree proposers only) caps each row's draft nodes; `lengths` then caps its depth.
         """
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor | None:
@@ -75,8 +101,13 @@ class BatchedProposer(ABC):
         """`[batch]` draft tokens a model-free proposal offers each row this step (hybrid proposers; else `None`)."""
         return None
 
-    def commit(self, batch: TokenBatch, proposal: Proposal, accepted: torch.LongTensor) -> None:
-        """After verification: `accepted[b]` leading draft tokens of row `b` were kept; `batch` is already updated."""
+    def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
+        """After verification; `batch` is already updated.
+
+        Args:
+            kept: `[batch, 1 + max_length]` per node of the proposal's tree (node 0 the root, node `i + 1` draft token
+                `i`): True on the root and the accepted path.
+        """
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         """Keep only the rows at indices `keep` (finished rows leave the batch)."""

@@ -53,7 +53,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.ragged: RaggedCache | None = None
         self.num_seen: torch.LongTensor | None = None  # [batch] real tokens in the draft cache
         self.forwards = 0
-        self._fed_drafts = 0  # draft tokens fed in the last propose (all but the last one)
+        self._fed_nodes: torch.LongTensor | None = None  # [batch, fed] tree node of each draft-cache column fed
         self._num_assistant_tokens = self.config.num_speculative_tokens
 
     # ---- batched interface ---------------------------------------------------------------------------------------
@@ -80,6 +80,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         lengths: torch.LongTensor,
         early_stop: EarlyStop | None = None,
         free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         lengths = lengths.clone()
         ids, mask, positions = batch.tail(self.num_seen)  # [batch, tail]
@@ -99,15 +100,18 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
                 break
             ids, mask = token.unsqueeze(1), torch.ones_like(token).unsqueeze(1)
             positions = (batch.num_real + position).unsqueeze(1)
-        self._fed_drafts = max(len(tokens) - 1, 0)
+        fed = torch.arange(1, len(tokens), device=lengths.device)  # every draft token but the last: nodes 1 .. k - 1
+        self._fed_nodes = fed.unsqueeze(0).expand(batch.batch_size, -1)
         return self._proposal(tokens, probs, lengths, batch)
 
-    def commit(self, batch: TokenBatch, proposal: Proposal, accepted: torch.LongTensor) -> None:
+    def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
+        """Draft-cache columns of accepted nodes stay, the other fed nodes become holes; the tail is now seen."""
         if proposal.max_length == 0:
             return
-        fed = torch.arange(1, self._fed_drafts + 1, device=accepted.device)  # draft positions fed to the draft
-        self.ragged.set_last((fed.unsqueeze(0) <= accepted.unsqueeze(1)).long())
-        self.num_seen = self.num_seen + self._tail_lengths + accepted.clamp(max=self._fed_drafts)
+        fed = self._fed_nodes  # [batch, fed] node index per column after the tail, -1 for columns of no node
+        kept_fed = kept.to(fed.device).gather(1, fed.clamp(min=0)) & (fed >= 0)  # [batch, fed]
+        self.ragged.set_last(kept_fed.long())
+        self.num_seen = self.num_seen + self._tail_lengths + kept_fed.sum(dim=1)
         self.ragged.settle()
 
     def select_rows(self, keep: torch.LongTensor) -> None:
@@ -205,4 +209,5 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         new_tokens = current[previous.shape[1] :]
         k = min(int(proposal.lengths[0]), new_tokens.shape[0])
         matches = (new_tokens[:k] == proposal.tokens[0, :k]).long().cumprod(0).sum()
-        self.commit(batch, proposal, matches.reshape(1))
+        kept = torch.arange(proposal.max_length + 1, device=current.device) <= matches  # [1 + k] root and accepted
+        self.commit(batch, proposal, kept.unsqueeze(0))

@@ -51,6 +51,7 @@ class HybridProposer(BatchedProposer):
         lengths: torch.LongTensor,
         early_stop: EarlyStop | None = None,
         free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         if len(self._found) != batch.batch_size:
             self.free_lengths(batch, int(lengths.max()))
@@ -68,9 +69,9 @@ class HybridProposer(BatchedProposer):
         self.last_free_rows = free_rows
         return self._merge(PromptLookupProposer.proposal(batch, found), free_rows)
 
-    def commit(self, batch: TokenBatch, proposal: Proposal, accepted: torch.LongTensor) -> None:
+    def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         if self._draft_proposal is not None:  # steps without a proposal commit nothing
-            self.draft.commit(batch, self._draft_proposal, torch.where(self.last_free_rows, 0, accepted))
+            self.draft.commit(batch, self._draft_proposal, kept & ~self.last_free_rows.unsqueeze(1))
             self._draft_proposal = None
 
     def select_rows(self, keep: torch.LongTensor) -> None:

@@ -47,6 +47,7 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
         lengths: torch.LongTensor,
         early_stop: EarlyStop | None = None,
         free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         return self.proposal(batch, self.continuations(batch, lengths))
 

@@ -155,6 +155,15 @@ class TokenTree:
         """`[batch, nodes]` position ids: the number of the row's tokens before the root (`[batch]`) plus the depth."""
         return prefix_lengths.to(self.depths.device).unsqueeze(1) + self.depths
 
+    def visibility(self, cache_length: int) -> torch.BoolTensor:
+        """`[batch, nodes, cache_length + nodes]` what each node may see, before cache validity is applied.
+
+        Every valid node may see every cache column (holes and padding are hidden by the cache's validity, see
+        `attention_mask`) and, among the nodes, its ancestors and itself; a placeholder slot sees only itself.
+        """
+        sees_cache = self.valid.unsqueeze(2).expand(-1, -1, cache_length)  # [batch, nodes, cache_length]
+        return torch.cat([sees_cache, self.ancestor_mask()], dim=2)
+
     def attention_mask(self, cache_valid: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """4D additive mask `[batch, 1, nodes, length + nodes]` for a forward over the nodes on top of a KV cache.
 
@@ -164,16 +173,29 @@ class TokenTree:
         `DynamicCache`; additive float works for every attention implementation (a boolean mask works with SDPA but
         eager attention would add it as numbers), so pass the model's dtype.
         """
-        nodes = self.num_nodes
-        sees_cache = cache_valid.to(self.tokens.device).bool().unsqueeze(1).expand(-1, nodes, -1)  # [b, nodes, len]
-        sees_cache = sees_cache & self.valid.unsqueeze(2)
-        visible = torch.cat([sees_cache, self.ancestor_mask()], dim=2)  # [batch, nodes, length + nodes]
-        hidden = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        return hidden.masked_fill_(~visible, torch.finfo(dtype).min).unsqueeze(1)
+        cache_valid = cache_valid.to(self.tokens.device)
+        return block_attention_mask(cache_valid, self.visibility(cache_valid.shape[1]), dtype)
 
     def _parent_of(self, nodes: torch.LongTensor) -> torch.LongTensor:
         """`[batch, n]` parent of each given node index (-1 stays -1)."""
         return torch.where(nodes >= 0, self.parents.gather(1, nodes.clamp(min=0)), -1)
+
+
+def block_attention_mask(
+    cache_valid: torch.Tensor,  # [batch, length] 1 where a cache column is part of the row
+    visibility: torch.BoolTensor,  # [batch, width, length + width] what each new token may see
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """4D additive mask `[batch, 1, width, length + width]` of a forward over a block of new tokens on a KV cache.
+
+    A new token sees a cache column when `visibility` allows it and the column is valid, and a new token (itself
+    included) when `visibility` allows it. Visible entries are 0, hidden ones `finfo(dtype).min`.
+    """
+    width = visibility.shape[1]
+    columns = torch.cat([cache_valid.bool(), cache_valid.new_ones((cache_valid.shape[0], width)).bool()], dim=1)
+    visible = visibility & columns.unsqueeze(1)  # [batch, width, length + width]
+    hidden = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return hidden.masked_fill_(~visible, torch.finfo(dtype).min).unsqueeze(1)
 
 
 # ---- validation ------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ class PolicyInput:
     max_draft_tokens: int  # upper bound on any row's draft length (DynSpecConfig.num_speculative_tokens)
     backlog: torch.LongTensor | None = None  # [batch] tokens the draft model must catch up on before it drafts
     free_lengths: torch.LongTensor | None = None  # [batch] draft tokens a model-free proposal offers (hybrid only)
+    max_tree_nodes: int = 0  # most draft nodes of a row's token tree (DynSpecConfig.tree_node_budget); 0 = chains
 
     @property
     def batch_size(self) -> int:
@@ -96,6 +97,14 @@ class DraftLengthPolicy(ABC):
         has a continuation).
         """
         return None
+
+    def node_budgets(self, request: PolicyInput, lengths: torch.LongTensor) -> torch.LongTensor | None:
+        """`[batch]` draft nodes of each row's token tree, given the depths `lengths` just chosen (trees only).
+
+        Called right after `draft_lengths` with the same request when the proposer builds trees
+        (`request.max_tree_nodes > 0`). The default gives every drafting row the whole budget.
+        """
+        return torch.where(lengths > 0, request.max_tree_nodes, 0)
 
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor

@@ -1,0 +1,238 @@
+"""Draft-model token trees, expanded the way EAGLE-2 does: best nodes first, one batched draft forward per depth.
+
+Depth 1: the draft's forward over the row's tail (as for a chain) gives its distribution at the root; the root gets
+`branching` children. Each further depth feeds the `branching` best nodes of the previous depth (the *frontier*) in
+one forward for the whole batch, each node seeing the row's context and its own ancestors only (a tree mask on the
+draft's cache), and gives each frontier node `branching` children. A node's *value* is the draft's probability of its
+whole path (the product of the probabilities along it). The tree a row proposes is made of `node_budgets[b]` of these
+candidates:
+
+- greedy decoding: the most valuable ones. A child's value never exceeds its parent's and ties keep creation order,
+  so they always form a tree;
+- sampling: children are drawn from the draft's `q` without replacement (the order the verifier tries them in) and the
+  tree is the first candidates in creation order, so whether a node is proposed never depends on its own token, as
+  the multi-draft rejection sampler requires for the output to follow the target exactly.
+
+Draft-cache columns of fed frontier nodes stay only if the verifier accepts them (`commit`), as in a chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..processors import process_path_logits
+from ..sequences import TokenBatch
+from .base import EarlyStop, Proposal
+from .draft_model import DraftModelProposer
+
+
+@dataclass
+class _Candidates:
+    """Every node created so far, per row, in creation order (`[batch, created, ...]`)."""
+
+    tokens: torch.LongTensor  # [batch, created]
+    parents: torch.LongTensor  # [batch, created] candidate index of the parent, -1 for children of the root
+    values: torch.Tensor  # [batch, created] log draft probability of the path; -inf where nothing was created
+    depths: torch.LongTensor  # [batch, created]
+    paths: torch.LongTensor  # [batch, created, max depth] draft tokens from depth 1 to the node, 0-padded
+    ancestors: torch.BoolTensor  # [batch, created, created] True where the column is the node or an ancestor
+    q_index: torch.LongTensor  # [batch, created] which stored draft distribution the node was drawn from
+
+    @property
+    def count(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+class DraftTreeProposer(DraftModelProposer):
+    """Proposes a token tree per row with a draft model; `lengths` cap each row's depth, `node_budgets` its size.
+
+    Without `node_budgets` a row gets as many nodes as its depth cap (the size of a chain of that length).
+    """
+
+    def __init__(self, *args, branching: int = 2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if branching < 1:
+            raise ValueError(f"`branching` must be >= 1; got {branching}.")
+        self.branching = branching
+
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
+    ) -> Proposal:
+        budgets = lengths if node_budgets is None else torch.where(lengths > 0, node_budgets.to(lengths.device), 0)
+        ids, mask, positions = batch.tail(self.num_seen)
+        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
+        ids, mask, positions = self._catch_up_backlog(ids, mask, positions)
+        self._fed_nodes = lengths.new_zeros((batch.batch_size, 0))
+        if int(lengths.max()) == 0:
+            return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths), None)
+        rows = torch.arange(batch.batch_size, device=lengths.device)
+        no_drafts = ids.new_zeros((batch.batch_size, 0))
+        root_scores = process_path_logits(
+            self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), self._forward(ids, mask, positions)
+        )  # [batch, vocab]
+        q_store = [root_scores.softmax(dim=-1).unsqueeze(1)]  # [batch, 1, vocab] then [batch, width, vocab] per depth
+        candidates = self._root_children(root_scores, lengths > 0)
+        fed: list[torch.LongTensor] = []  # per depth, [batch, width] candidate index of each fed draft-cache column
+        context_length = self.ragged.length
+        for depth in range(1, int(lengths.max())):
+            frontier, active = self._frontier(candidates, depth, lengths)  # [batch, width] each
+            scores = self._expand(batch, candidates, frontier, active, fed, context_length, depth)  # [b, width, v]
+            fed.append(frontier)
+            tokens, log_q = self._draw(scores)
+            candidates = _grow(candidates, frontier, active, tokens, log_q, sum(q.shape[1] for q in q_store))
+            q_store.append(scores.softmax(dim=-1))
+        fed_columns = torch.cat(fed, dim=1) if fed else lengths.new_zeros((batch.batch_size, 0))
+        return self._select(candidates, budgets, fed_columns, torch.cat(q_store, dim=1), batch)
+
+    # ---- expansion -------------------------------------------------------------------------------------------------
+    def _draw(self, scores: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        """`branching` children per node (`scores` `[batch, width, vocab]`): tokens and their log q, both
+        `[batch, width, branching]`; the most likely ones (greedy) or drawn without replacement (sampling)."""
+        batch, width, vocab = scores.shape
+        log_q = scores.log_softmax(dim=-1)
+        count = min(self.branching, vocab)
+        if self.do_sample:
+            tokens = torch.multinomial(log_q.exp().reshape(batch * width, vocab), count).view(batch, width, count)
+        else:
+            tokens = log_q.topk(count, dim=-1).indices
+        return tokens, log_q.gather(2, tokens)
+
+    def _root_children(self, root_scores: torch.Tensor, active: torch.BoolTensor) -> _Candidates:
+        """The root's children in rows that draft (`active` `[batch]`) as the first candidates."""
+        tokens, log_q = self._draw(root_scores.unsqueeze(1))  # [batch, 1, count]
+        tokens, log_q = tokens[:, 0], log_q[:, 0]  # [batch, count]
+        batch, count = tokens.shape
+        return _Candidates(
+            tokens=tokens,
+            parents=torch.full_like(tokens, -1),
+            values=torch.where(active.unsqueeze(1), log_q, float("-inf")),
+            depths=torch.ones_like(tokens),
+            paths=tokens.unsqueeze(2),
+            ancestors=torch.eye(count, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1),
+            q_index=torch.zeros_like(tokens),
+        )
+
+    def _frontier(
+        self, candidates: _Candidates, depth: int, lengths: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.BoolTensor]:
+        """The `branching` most valuable candidates at `depth` (`[batch, width]`), active where the row's depth cap
+        allows going deeper."""
+        at_depth = torch.where(candidates.depths == depth, candidates.values, float("-inf"))  # [batch, created]
+        best = at_depth.topk(min(self.branching, candidates.count), dim=1)
+        return best.indices, torch.isfinite(best.values) & (lengths > depth).unsqueeze(1)
+
+    def _expand(
+        self,
+        batch: TokenBatch,
+        candidates: _Candidates,
+        frontier: torch.LongTensor,  # [batch, width] candidate indices
+        active: torch.BoolTensor,  # [batch, width]
+        fed: list[torch.LongTensor],
+        context_length: int,
+        depth: int,
+    ) -> torch.Tensor:
+        """One draft forward over the frontier; its processed scores `[batch, width, vocab]`."""
+        rows = torch.arange(batch.batch_size, device=frontier.device).unsqueeze(1)  # [batch, 1]
+        width = frontier.shape[1]
+        fed_columns = torch.cat(fed, dim=1) if fed else frontier[:, :0]  # [batch, fed]
+        sees_fed = candidates.ancestors[rows.unsqueeze(2), frontier.unsqueeze(2), fed_columns.unsqueeze(1)]
+        visibility = torch.cat(
+            [
+                active.unsqueeze(2).expand(-1, -1, context_length),  # the row's context before the tree
+                sees_fed & active.unsqueeze(2),  # fed tree nodes: its ancestors only
+                torch.eye(width, dtype=torch.bool, device=frontier.device).expand(batch.batch_size, -1, -1),
+            ],
+            dim=2,
+        )  # [batch, width, cache length + width]
+        positions = (batch.num_real - 1 + depth).unsqueeze(1).expand(-1, width)
+        self.forwards += 1
+        logits = self.placement.forward(
+            self.draft_model, self.ragged, candidates.tokens[rows, frontier], active.long(), positions, width,
+            visibility,
+        )  # [batch, width, vocab]
+        scores = process_path_logits(
+            self.logits_processor,
+            batch,
+            rows.expand(-1, width).reshape(-1),
+            candidates.paths[rows, frontier].flatten(0, 1),
+            candidates.depths[rows, frontier].flatten(),
+            logits.flatten(0, 1),
+        )
+        return scores.view_as(logits)
+
+    # ---- the proposal ----------------------------------------------------------------------------------------------
+    def _select(
+        self,
+        candidates: _Candidates,
+        budgets: torch.LongTensor,  # [batch]
+        fed_columns: torch.LongTensor,  # [batch, fed] candidate index per fed draft-cache column
+        q_store: torch.Tensor,  # [batch, stored, vocab]
+        batch: TokenBatch,
+    ) -> Proposal:
+        """Keep `budgets[b]` candidates of each row as its tree, nodes in creation order (parents first)."""
+        created = torch.isfinite(candidates.values)  # [batch, created]
+        if self.do_sample:  # the first ones created: never depends on a node's own token
+            rank = created.long().cumsum(dim=1) - 1
+        else:  # the most valuable; the stable sort ranks a parent before an equally valued child
+            keys = torch.where(created, candidates.values, float("-inf"))
+            order = torch.sort(keys, dim=1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
+                                                    .expand_as(order).contiguous())
+        chosen = created & (rank < budgets.unsqueeze(1))  # [batch, created]
+        node_of = torch.where(chosen, chosen.long().cumsum(dim=1), -1)  # [batch, created] tree node, -1 if dropped
+        width = int(chosen.sum(dim=1).max())
+        slot = torch.where(chosen, node_of - 1, width)  # dropped candidates land in an extra slot, cut below
+
+        def place(values: torch.LongTensor, fill: int) -> torch.LongTensor:
+            return values.new_full((batch.batch_size, width + 1), fill).scatter_(1, slot, values)[:, :width]
+
+        parent_nodes = torch.where(candidates.parents >= 0, node_of.gather(1, candidates.parents.clamp(min=0)), 0)
+        self._fed_nodes = node_of.gather(1, fed_columns)  # [batch, fed] tree node per fed column, -1 if dropped
+        probs = None
+        if self.do_sample:
+            index = place(candidates.q_index, 0)  # [batch, width]
+            probs = q_store.gather(1, index.unsqueeze(2).expand(-1, -1, q_store.shape[2]))
+        return Proposal(place(candidates.tokens, batch.pad_id), chosen.sum(dim=1), probs, place(parent_nodes, 0))
+
+
+def _grow(
+    candidates: _Candidates,
+    frontier: torch.LongTensor,  # [batch, width] candidate index of each expanded node
+    active: torch.BoolTensor,  # [batch, width] whether it really expands
+    tokens: torch.LongTensor,  # [batch, width, count] its children
+    log_q: torch.Tensor,  # [batch, width, count] their draft log probabilities
+    q_offset: int,  # index of the frontier's first distribution among the stored ones
+) -> _Candidates:
+    """The candidates with the frontier's children appended."""
+    batch, width, count = tokens.shape
+    rows = torch.arange(batch, device=tokens.device).unsqueeze(1)
+    parents = frontier.repeat_interleave(count, dim=1)  # [batch, new]
+    new = parents.shape[1]
+    live = active.repeat_interleave(count, dim=1)  # [batch, new]
+    values = torch.where(live, candidates.values.gather(1, parents) + log_q.reshape(batch, new), float("-inf"))
+    depths = candidates.depths.gather(1, parents) + 1
+    paths = torch.cat([candidates.paths, candidates.paths.new_zeros((batch, candidates.count, 1))], dim=2)
+    new_paths = paths[rows, parents]  # [batch, new, depth + 1]
+    new_paths.scatter_(2, (depths - 1).unsqueeze(2), tokens.reshape(batch, new, 1))
+    total = candidates.count + new
+    ancestors = torch.zeros((batch, total, total), dtype=torch.bool, device=tokens.device)
+    ancestors[:, : candidates.count, : candidates.count] = candidates.ancestors
+    ancestors[:, candidates.count :, : candidates.count] = candidates.ancestors[rows, parents]
+    ancestors[:, candidates.count :, candidates.count :] = torch.eye(new, dtype=torch.bool, device=tokens.device)
+    q_index = (q_offset + torch.arange(width, device=tokens.device)).repeat_interleave(count).expand(batch, -1)
+    return _Candidates(
+        tokens=torch.cat([candidates.tokens, tokens.reshape(batch, new)], dim=1),
+        parents=torch.cat([candidates.parents, parents], dim=1),
+        values=torch.cat([candidates.values, values], dim=1),
+        depths=torch.cat([candidates.depths, depths], dim=1),
+        paths=torch.cat([paths, new_paths], dim=1),
+        ancestors=ancestors,
+        q_index=torch.cat([candidates.q_index, q_index], dim=1),
+    )

@@ -1,0 +1,180 @@
+"""Token trees in the loop: draft-model trees and prompt-lookup tries must give exactly plain greedy output, and
+sampled output must follow the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_prompts, perturbed, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates import DraftTreeProposer, LookupTreeProposer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request):
+    target = tiny_model(request.param, seed=0)
+    return target, perturbed(target, scale=0.05)
+
+
+def plain(model, ids, mask, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+
+def speculative(model, ids, mask, config: DynSpecConfig, draft=None, **kwargs):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop,
+        dynspec_config=config,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batch_size=st.integers(1, 6),
+    depth=st.integers(1, 5),
+    budget=st.integers(1, 12),
+    branching=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+)
+def test_draft_tree_matches_plain_greedy(pair, batch_size, depth, budget, branching, seed):
+    target, draft = pair
+    ids, mask = left_padded_prompts([3 + (seed + 7 * row) % 12 for row in range(batch_size)], seed=seed)
+    expected = plain(target, ids, mask, max_new_tokens=20)
+    config = DynSpecConfig(num_speculative_tokens=depth, tree_node_budget=budget, tree_branching=branching)
+    out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=20)
+    assert torch.equal(out.sequences, expected)
+    steps = [s for s in out.dynspec_stats.steps if max(s.draft_lengths) > 0]
+    assert steps and all(max(s.draft_lengths) <= budget and max(s.draft_depths) <= depth for s in steps)
+    assert all(a <= d for s in steps for a, d in zip(s.accepted, s.draft_depths))
+
+
+def test_trees_accept_more_than_chains_of_the_same_depth(pair):
+    target, draft = pair
+    ids, mask = left_padded_prompts([5, 9, 12, 7], seed=3)
+    chain = speculative(target, ids, mask, DynSpecConfig(num_speculative_tokens=3), draft, max_new_tokens=32)
+    tree_config = DynSpecConfig(num_speculative_tokens=3, tree_node_budget=12, tree_branching=3)
+    tree = speculative(target, ids, mask, tree_config, draft, max_new_tokens=32)
+    assert torch.equal(tree.sequences, chain.sequences)
+    assert tree.dynspec_stats.num_steps < chain.dynspec_stats.num_steps
+    assert any(max(s.draft_lengths) > max(s.draft_depths) for s in tree.dynspec_stats.steps), "no step branched"
+
+
+def test_tree_with_eos_inside_a_branch_and_compaction(pair):
+    target, draft = pair
+    ids, mask = left_padded_prompts([4, 9, 6, 11, 3, 8], seed=11)
+    generated = plain(target, ids, mask, max_new_tokens=20)[:, ids.shape[1] :]
+    eos = int(torch.bincount(generated[:, 3:12].reshape(-1)).argmax())  # a token plain emits mid-sequence
+    expected = plain(target, ids, mask, max_new_tokens=90, eos_token_id=eos)
+    config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=10, tree_branching=3, compact_min_holes=4)
+    out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=90, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected)
+    assert out.dynspec_stats.compactions > 0
+
+
+def test_lookup_trie_matches_plain_greedy(pair):
+    target, _ = pair
+    base = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 3, 5, 6]])
+    ids = torch.cat([base, base.flip(1), base.roll(3, 1)], dim=0)
+    mask = torch.ones_like(ids)
+    expected = plain(target, ids, mask, max_new_tokens=24)
+    config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=8)
+    out = speculative(target, ids, mask, config, prompt_lookup_num_tokens=4, do_sample=False, max_new_tokens=24)
+    assert torch.equal(out.sequences, expected)
+    assert any(max(s.draft_lengths) > max(s.draft_depths) for s in out.dynspec_stats.steps), "no trie branched"
+
+
+def test_proposers_are_chosen_by_the_config(pair):
+    target, draft = pair
+    ids, mask = left_padded_prompts([5, 7], seed=1)
+    seen = []
+    original = hf_dynspec.loop._Run._make_proposer
+
+    def spy(run, model):
+        proposer = original(run, model)
+        seen.append(type(proposer))
+        return proposer
+
+    hf_dynspec.loop._Run._make_proposer = spy
+    try:
+        speculative(target, ids, mask, DynSpecConfig(tree_node_budget=4), draft, max_new_tokens=4)
+        speculative(target, ids, mask, DynSpecConfig(tree_node_budget=4), prompt_lookup_num_tokens=3, max_new_tokens=4)
+    finally:
+        hf_dynspec.loop._Run._make_proposer = original
+    assert seen == [DraftTreeProposer, LookupTreeProposer]
+
+
+def test_tree_settings_are_validated(pair):
+    with pytest.raises(ValueError, match="tree_node_budget"):
+        DynSpecConfig(tree_node_budget=-1)
+    with pytest.raises(ValueError, match="tree_branching"):
+        DynSpecConfig(tree_branching=0)
+    target, draft = pair
+    ids, mask = left_padded_prompts([5, 7], seed=1)
+    with pytest.raises(ValueError, match="proposes chains"):
+        speculative(target, ids, mask, DynSpecConfig(tree_node_budget=4, proposer="hybrid"), draft, max_new_tokens=4)
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------------
+def _first_tokens(target, ids, draws: int, config: DynSpecConfig | None, draft=None) -> torch.Tensor:
+    """`[draws, 3]` the first three sampled tokens of `draws` copies of one prompt, in one batch."""
+    batch = ids.expand(draws, -1)
+    mask = torch.ones_like(batch)
+    kwargs = dict(do_sample=True, max_new_tokens=3, top_k=0, temperature=1.0)
+    if config is None:
+        return plain(target, batch, mask, **kwargs)[:, -3:]
+    return speculative(target, batch, mask, config, draft, **kwargs).sequences[:, -3:]
+
+
+def _tree_sampling_p_value(family: str) -> float:
+    """Joint law of the first three tokens, tree speculation against plain sampling: the smaller chi-square p-value of
+    tokens (1, 2) and tokens (2, 3). An unrelated draft makes rejections, and so the residual rules, common."""
+    target, draft = tiny_model(family, seed=0), tiny_model(family, seed=7)
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    draws = 6000
+    config = DynSpecConfig(num_speculative_tokens=3, tree_node_budget=6, tree_branching=2)
+    reference = _first_tokens(target, ids, draws, None)
+    trees = _first_tokens(target, ids, draws, config, draft)
+    return min(_chi_square_p(reference[:, :2], trees[:, :2]), _chi_square_p(reference[:, 1:], trees[:, 1:]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sampling_with_trees_follows_the_target(family):
+    assert _tree_sampling_p_value(family) > 1e-3
+
+
+def test_sampling_test_catches_a_wrong_residual(monkeypatch):
+    """Keeping `p` after a rejected child (instead of `norm(max(0, p - q))`) must be caught by the same test."""
+    monkeypatch.setattr(hf_dynspec.verification, "_reject_residual", lambda p, q: p)
+    assert _tree_sampling_p_value("llama") < 1e-3
+
+
+def _chi_square_p(first: torch.Tensor, second: torch.Tensor, bins: int = 12) -> float:
+    """p-value of a two-sample chi-square test on the `bins` most common rows (the rest pooled)."""
+    from scipy.stats import chi2_contingency
+
+    keys = [tuple(r) for r in torch.cat([first, second]).tolist()]
+    common = [k for k, _ in __import__("collections").Counter(keys).most_common(bins)]
+    table = [[0] * (len(common) + 1) for _ in range(2)]
+    for sample, rows in enumerate((first, second)):
+        for row in rows.tolist():
+            key = tuple(row)
+            table[sample][common.index(key) if key in common else len(common)] += 1
+    return float(chi2_contingency(table)[1])
