@@ -48,3 +48,21 @@ def test_search_drafts_long_at_batch_1_and_short_or_nothing_at_batch_16() -> Non
     assert longest(16, 0.85) <= 1
     assert longest(16, 0.5) == 0
     assert [longest(b, 0.7) for b in (1, 2, 4, 8, 16)] == sorted([longest(b, 0.7) for b in (1, 2, 4, 8, 16)], reverse=True)
+
+
+def test_goodput_trees_grow_where_verification_is_nearly_free_and_shrink_under_load() -> None:
+    from hf_dynspec.policies import GoodputPolicy, PolicyInput
+
+    policy = GoodputPolicy(cost_model=model())
+
+    def budgets(lengths: list[int]) -> list[int]:
+        batch = len(lengths)
+        request = PolicyInput(0, torch.arange(batch), torch.full((batch,), 64), 4, max_tree_nodes=16)
+        return policy.node_budgets(request, torch.tensor(lengths)).tolist()
+
+    (alone,) = budgets([2])
+    assert alone >= 4  # batch 1: a few extra tokens per row cost little, the tree outgrows the chain
+    costs = model()
+    assert costs.verify(np.array([1.0 + alone]))[0] <= 1.15 * costs.verify(np.array([3.0]))[0] + 1e-12
+    assert budgets([0, 2])[0] == 0  # a row that does not draft gets no tree
+    assert budgets([1] * 16) == [1] * 16  # batch 16: every token costs, the tree is a chain's size

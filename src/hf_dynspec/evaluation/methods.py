@@ -9,6 +9,8 @@
 | `dynspec-<policy>[:K]` | `hf_dynspec.generate` with the draft model and policy `<policy>` (at most K draft tokens) |
 | `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
 | `dynspec-hybrid[:K]` | `goodput` with the hybrid proposer: per row and step, prompt lookup or the draft model |
+| `dynspec-tree[:N]` | `goodput` with draft-model token trees of at most N nodes per row (default 12) |
+| `dynspec-tree-lookup[:N]` | `goodput` with prompt-lookup tries of at most N nodes per row (default 10) |
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
@@ -28,6 +30,9 @@ POLICY_ALIASES = {"table": "batch_table"}
 """Short method names for policies (`dynspec-table` runs the `batch_table` policy)."""
 
 DEFAULT_LOOKUP_TOKENS = 10
+DEFAULT_TREE_NODES = 12
+DEFAULT_TRIE_NODES = 10
+TREE_BRANCHING = 2
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,8 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
+    if base in ("dynspec-tree", "dynspec-tree-lookup"):
+        return _tree_method(name, base, argument, policy_options)
     if base.startswith("dynspec-"):
         policy, _, tag = base[len("dynspec-") :].partition("@")
         policy = POLICY_ALIASES.get(policy, policy)
@@ -94,9 +101,27 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], "
-        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K] or dynspec-<policy>[:K] with a policy from "
+        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N], dynspec-tree-lookup[:N] or "
+        "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."
     )
+
+
+def _tree_method(
+    name: str, base: str, argument: str | None, policy_options: dict[str, dict[str, Any]] | None
+) -> Method:
+    """`goodput` with token trees: draft-model trees (`dynspec-tree`) or prompt-lookup tries (`dynspec-tree-lookup`)."""
+    options = dict((policy_options or {}).get(base[len("dynspec-") :], {}))
+    if base == "dynspec-tree":
+        nodes = _count(name, argument, DEFAULT_TREE_NODES)
+        config = DynSpecConfig(policy="goodput", policy_options=options, tree_node_budget=nodes,
+                               tree_branching=TREE_BRANCHING)
+        return Method(name, "dynspec", uses_draft=True, dynspec_config=config)
+    nodes = _count(name, argument, DEFAULT_TRIE_NODES)
+    config = DynSpecConfig(num_speculative_tokens=DEFAULT_LOOKUP_TOKENS, policy="goodput", policy_options=options,
+                           tree_node_budget=nodes)
+    return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": DEFAULT_LOOKUP_TOKENS},
+                  dynspec_config=config)
 
 
 def parse_methods(names: str | list[str], policy_options: dict[str, dict[str, Any]] | None = None) -> list[Method]:

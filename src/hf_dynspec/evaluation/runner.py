@@ -284,8 +284,11 @@ class Runner:
             outcome.times[name] = outcome.times.get(name, 0.0) + seconds
         for step in stats.steps:
             outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
+            depths = getattr(step, "draft_depths", None)
+            tree = {"draft_nodes": step.draft_lengths, "draft_depths": depths, "accepted_path": step.accepted}
             outcome.steps.append(
                 {
+                    **(tree if depths is not None else {}),  # token trees: per row, nodes, depth and accepted path
                     "batch_size": step.batch_size,
                     "mean_draft_length": sum(step.draft_lengths) / max(1, len(step.draft_lengths)),
                     "max_draft_length": max(step.draft_lengths, default=0),

@@ -173,6 +173,11 @@ class GoodputSettings:
     lookup_prior_acceptance: float = field(
         default=0.5, metadata={"help": "Hybrid proposer: prompt-lookup acceptance assumed before anything is observed."}
     )
+    tree_slack: float = field(
+        default=0.15,
+        metadata={"help": "Token trees: nodes are added while the verify forward costs at most this fraction more "
+                  "than for a chain of the chosen depth (the target's nearly free slots)."},
+    )
     early_stop: dict | bool | None = field(
         default=None,
         metadata={"help": "Confidence early stop: true for defaults or a dict of `confidence` options; off if None."},
@@ -199,6 +204,7 @@ class GoodputSettings:
         _check_number("min_gain", self.min_gain, 0.0)
         _check_number("probe_z", self.probe_z, 0.0)
         _check_number("confidence_z", self.confidence_z, 0.0)
+        _check_number("tree_slack", self.tree_slack, 0.0)
         check_int("stale_after", self.stale_after, 1)
         check_int("probe_interval", self.probe_interval, 0)
         LossBudget(self.loss_budget)  # validates
@@ -339,8 +345,22 @@ class GoodputPolicy(DraftLengthPolicy):
         if feedback.batch_size:
             plain = self._plain_seconds(feedback.batch_size)
             catchup = self.catchup.seconds(feedback.catchup_tokens) if feedback.catchup_seconds > 0 else 0.0
-            spent = self._price(feedback.batch_size, proposed, free, catchup)
+            spent = self._price(feedback.batch_size, proposed, free, catchup, feedback.target_tokens)
             self.budget.record(plain * float((accepted + 1).double().mean()), spent)
+
+    def node_budgets(self, request: PolicyInput, lengths: torch.LongTensor) -> torch.LongTensor:
+        """Tree nodes for the rows that draft: the most whose verify forward costs at most `1 + tree_slack` times a
+        chain of the longest chosen depth, by the cost model (a chain's worth without a verify cost yet). Under load
+        the target's cost rises with every token, so trees shrink to chains of that many nodes."""
+        depth = int(lengths.max()) if lengths.numel() else 0
+        budget = depth
+        verify = self.cost_model.verify if isinstance(self.cost_model, PaddedCostModel) else None
+        if depth and verify is not None and request.max_tree_nodes > depth:
+            nodes = np.arange(depth, request.max_tree_nodes + 1)
+            costs = verify(request.batch_size * (1.0 + nodes))  # [candidates]
+            limit = (1.0 + self.settings.tree_slack) * costs[0]
+            budget = int(nodes[costs <= limit].max())
+        return torch.where(lengths > 0, budget, 0)
 
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
@@ -360,8 +380,18 @@ class GoodputPolicy(DraftLengthPolicy):
         width = int(request.backlog.max())
         return self.catchup.seconds(request.batch_size * (width - 1)) if width > MAX_INLINE_TAIL else 0.0
 
-    def _price(self, batch: int, lengths: torch.LongTensor, free: torch.BoolTensor | None, catchup: float) -> float:
+    def _price(
+        self,
+        batch: int,
+        lengths: torch.LongTensor,
+        free: torch.BoolTensor | None,
+        catchup: float,
+        target_tokens: int | None = None,
+    ) -> float:
         """Seconds of a step with `lengths` (`[batch]`), `free` rows served by prompt lookup, catch-up included.
+
+        `target_tokens` (the verify forward's tokens; token trees verify more than `batch * (1 + max(lengths))`)
+        overrides the chain's count.
 
         Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
         plain step (so a first exploration is not mistaken for free).
@@ -372,7 +402,8 @@ class GoodputPolicy(DraftLengthPolicy):
         if not isinstance(model, PaddedCostModel):
             return float(model.step_seconds(batch, lengths)) + (catchup if forwards else 0.0)
         longest = float(lengths.max()) if lengths.numel() else 0.0
-        seconds = float(model.verify(np.array([batch * (1.0 + longest)]))[0]) if model.verify is not None else 1.0
+        tokens = batch * (1.0 + longest) if target_tokens is None else float(target_tokens)
+        seconds = float(model.verify(np.array([tokens]))[0]) if model.verify is not None else 1.0
         if model.draft is not None:
             per_forward = float(model.draft(np.array([batch]))[0])
         else:
