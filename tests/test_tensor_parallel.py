@@ -24,7 +24,7 @@ from hf_dynspec.placement import Placement
 from hf_dynspec.verification import tree_outcome
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-POLICIES = ["static", "threshold", "batch_table", "goodput", "confidence", "heuristic"]
+POLICIES = ["static", "threshold", "batch_table", "goodput", "confidence", "heuristic", "goodput_tree"]
 NEW_TOKENS = 16  # as in the worker
 LAUNCH_TIMEOUT = 240
 
@@ -118,8 +118,9 @@ def test_rows_finish_at_different_steps(expected, inputs) -> None:
     assert len(lengths) > 1
 
 
-def test_sampling_gives_identical_tokens_on_ranks_with_different_random_states(ranks, inputs) -> None:
-    first, second = (r["sampling"] for r in ranks)
+@pytest.mark.parametrize("case", ["sampling", "sampling_tree"])
+def test_sampling_gives_identical_tokens_on_ranks_with_different_random_states(ranks, inputs, case) -> None:
+    first, second = (r[case] for r in ranks)
     assert first == second
     ids = inputs["batch3"][0]
     assert torch.equal(torch.tensor(first)[:, : ids.shape[1]], ids)

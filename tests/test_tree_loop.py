@@ -178,3 +178,27 @@ def _chi_square_p(first: torch.Tensor, second: torch.Tensor, bins: int = 12) -> 
             key = tuple(row)
             table[sample][common.index(key) if key in common else len(common)] += 1
     return float(chi2_contingency(table)[1])
+
+
+def test_sampling_trees_with_fewer_allowed_tokens_than_branches(pair):
+    """top_k=1 leaves one token with q > 0 where the tree wants 3 children: only it is proposed, and sampling with
+    top_k=1 is the target's argmax, so the output equals plain greedy decoding."""
+    target, draft = pair
+    ids, mask = left_padded_prompts([6, 9, 4], seed=5)
+    expected = plain(target, ids, mask, max_new_tokens=16)
+    config = DynSpecConfig(num_speculative_tokens=3, tree_node_budget=9, tree_branching=3)
+    out = speculative(target, ids, mask, config, draft, do_sample=True, top_k=1, max_new_tokens=16)
+    assert torch.equal(out.sequences, expected)
+    assert all(n <= d for s in out.dynspec_stats.steps for n, d in zip(s.draft_lengths, s.draft_depths or []))
+
+
+def test_draft_tree_refuses_transformers_chain_loop(pair):
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from hf_dynspec.placement import Placement
+
+    target, draft = pair
+    placement = Placement.of(torch.device("cpu"), target, draft)
+    proposer = DraftTreeProposer(draft, LogitsProcessorList(), GenerationConfig(), placement, DynSpecConfig())
+    with pytest.raises(NotImplementedError, match="chains only"):
+        proposer.get_candidates(torch.tensor([[5, 6, 7]]))

@@ -33,6 +33,7 @@ POLICY_CONFIGS = {
     "goodput": DynSpecConfig(num_speculative_tokens=4, policy="goodput"),
     "confidence": DynSpecConfig(num_speculative_tokens=4, policy="confidence", policy_options={"threshold": 0.5}),
     "heuristic": DynSpecConfig(num_speculative_tokens=4, policy="heuristic"),
+    "goodput_tree": DynSpecConfig(num_speculative_tokens=3, policy="goodput", tree_node_budget=8, tree_branching=2),
 }
 
 
@@ -102,6 +103,11 @@ def main(target_dir: str, draft_dir: str, inputs_path: str, out_dir: str) -> Non
     torch.manual_seed(1000 + rank)  # every rank draws from its own random state
     results["sampling"] = speculative(
         target, draft, ids, mask, eos, do_sample=True, top_k=20, dynspec_config=POLICY_CONFIGS["static"]
+    )
+
+    torch.manual_seed(2000 + rank)  # sampled draft trees differ per rank; rank 0's tree is verified everywhere
+    results["sampling_tree"] = speculative(
+        target, draft, ids, mask, eos, do_sample=True, top_k=20, dynspec_config=POLICY_CONFIGS["goodput_tree"]
     )
 
     policy = RankSkewedGoodput(rank)

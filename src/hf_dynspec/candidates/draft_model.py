@@ -109,7 +109,9 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         if proposal.max_length == 0:
             return
         fed = self._fed_nodes  # [batch, fed] node index per column after the tail, -1 for columns of no node
-        kept_fed = kept.to(fed.device).gather(1, fed.clamp(min=0)) & (fed >= 0)  # [batch, fed]
+        # Nodes beyond `kept` only occur on a tensor-parallel rank whose own (sampled) tree was replaced by rank 0's.
+        in_tree = (fed >= 0) & (fed < kept.shape[1])
+        kept_fed = kept.to(fed.device).gather(1, fed.clamp(0, kept.shape[1] - 1)) & in_tree  # [batch, fed]
         self.ragged.set_last(kept_fed.long())
         self.num_seen = self.num_seen + self._tail_lengths + kept_fed.sum(dim=1)
         self.ragged.settle()

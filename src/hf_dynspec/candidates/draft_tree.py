@@ -91,17 +91,25 @@ class DraftTreeProposer(DraftModelProposer):
         fed_columns = torch.cat(fed, dim=1) if fed else lengths.new_zeros((batch.batch_size, 0))
         return self._select(candidates, budgets, fed_columns, torch.cat(q_store, dim=1), batch)
 
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+        raise NotImplementedError(
+            "Transformers' assisted-generation loop verifies chains only; token trees need hf_dynspec's loop "
+            "(`hf_dynspec.generate` or `custom_generate=hf_dynspec.speculative_loop` with `tree_node_budget > 0`)."
+        )
+
     # ---- expansion -------------------------------------------------------------------------------------------------
     def _draw(self, scores: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
         """`branching` children per node (`scores` `[batch, width, vocab]`): tokens and their log q, both
-        `[batch, width, branching]`; the most likely ones (greedy) or drawn without replacement (sampling)."""
-        batch, width, vocab = scores.shape
+        `[batch, width, branching]`. Greedy: the most likely tokens. Sampling: draws from `q` without replacement, in
+        draw order (Gumbel top-k, which orders tokens as successive draws would). A child with `q = 0` (fewer
+        tokens allowed than `branching`, e.g. after top-k) gets log q = -inf and is never proposed."""
         log_q = scores.log_softmax(dim=-1)
-        count = min(self.branching, vocab)
+        count = min(self.branching, log_q.shape[-1])
+        keys = log_q
         if self.do_sample:
-            tokens = torch.multinomial(log_q.exp().reshape(batch * width, vocab), count).view(batch, width, count)
-        else:
-            tokens = log_q.topk(count, dim=-1).indices
+            uniform = torch.rand_like(log_q).clamp(min=torch.finfo(log_q.dtype).tiny)
+            keys = log_q - torch.log(-torch.log(uniform))  # log q + Gumbel noise
+        tokens = keys.topk(count, dim=-1).indices
         return tokens, log_q.gather(2, tokens)
 
     def _root_children(self, root_scores: torch.Tensor, active: torch.BoolTensor) -> _Candidates:
