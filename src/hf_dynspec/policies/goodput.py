@@ -452,8 +452,12 @@ class GoodputPolicy(DraftLengthPolicy):
         z, rows, max_k = self.settings.probe_z, request.row_ids, request.max_draft_tokens
         by_draft = self.acceptance.upper(rows, z) if optimistic else self.acceptance.mean(rows)
         costs = self.cost_model.optimistic() if optimistic and isinstance(self.cost_model, OnlineCostModel) else None
-        # the catch-up is paid once and serves every later step: spread it over the steps left (about two tokens each)
-        catchup /= max(1.0, float(request.remaining_tokens.max()) / 2.0)
+        # The catch-up is paid once and serves every later step: spread it over the steps the remaining tokens take
+        # when every row drafts as far as its cap allows at this acceptance. That is the fewest steps, so a long
+        # draft's catch-up is never sold cheaper than it is (at batch 16 in float32 the draft's catch-up over the
+        # prompts costs about ten plain steps, which a handful of four-token steps cannot repay).
+        per_step = float(expected_tokens(by_draft, caps).max()) if caps.numel() else 1.0
+        catchup /= max(1.0, float(request.remaining_tokens.max()) / per_step)
         priced = _WithCatchup(costs or self.cost_model, catchup)
         lengths = best_draft_lengths(by_draft, caps, max_k, priced, self.settings.min_gain)
         if request.free_lengths is None:
