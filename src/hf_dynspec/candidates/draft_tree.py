@@ -48,7 +48,8 @@ class _Candidates:
 class DraftTreeProposer(DraftModelProposer):
     """Proposes a token tree per row with a draft model; `lengths` cap each row's depth, `node_budgets` its size.
 
-    Without `node_budgets` a row gets as many nodes as its depth cap (the size of a chain of that length).
+    Without `node_budgets` a row gets as many nodes as its depth cap (the size of a chain of that length). A policy's
+    confidence early stop (`continue_drafting`) shapes chains only; a tree's values already rank its branches.
     """
 
     def __init__(self, *args, branching: int = 2, **kwargs) -> None:
