@@ -78,7 +78,10 @@ class DraftTreeProposer(DraftModelProposer):
         root_scores = process_path_logits(
             self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), self._forward(ids, mask, positions)
         )  # [batch, vocab]
-        q_store = [root_scores.softmax(dim=-1).unsqueeze(1)]  # [batch, 1, vocab] then [batch, width, vocab] per depth
+        # Sampling only: the distributions children are drawn from, [batch, 1, vocab] at the root, then
+        # [batch, width, vocab] per depth; `stored` counts them (a candidate's `q_index` points into them).
+        q_store = [root_scores.softmax(dim=-1).unsqueeze(1)] if self.do_sample else []
+        stored = 1
         candidates = self._root_children(root_scores, lengths > 0)
         fed: list[torch.LongTensor] = []  # per depth, [batch, width] candidate index of each fed draft-cache column
         context_length = self.ragged.length
@@ -87,10 +90,13 @@ class DraftTreeProposer(DraftModelProposer):
             scores = self._expand(batch, candidates, frontier, active, fed, context_length, depth)  # [b, width, v]
             fed.append(frontier)
             tokens, log_q = self._draw(scores)
-            candidates = _grow(candidates, frontier, active, tokens, log_q, sum(q.shape[1] for q in q_store))
-            q_store.append(scores.softmax(dim=-1))
+            candidates = _grow(candidates, frontier, active, tokens, log_q, stored)
+            stored += frontier.shape[1]
+            if self.do_sample:
+                q_store.append(scores.softmax(dim=-1))
         fed_columns = torch.cat(fed, dim=1) if fed else lengths.new_zeros((batch.batch_size, 0))
-        return self._select(candidates, budgets, fed_columns, torch.cat(q_store, dim=1), batch)
+        q_all = torch.cat(q_store, dim=1) if q_store else None
+        return self._select(candidates, budgets, fed_columns, q_all, batch)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         raise NotImplementedError(
@@ -182,7 +188,7 @@ class DraftTreeProposer(DraftModelProposer):
         candidates: _Candidates,
         budgets: torch.LongTensor,  # [batch]
         fed_columns: torch.LongTensor,  # [batch, fed] candidate index per fed draft-cache column
-        q_store: torch.Tensor,  # [batch, stored, vocab]
+        q_store: torch.Tensor | None,  # [batch, stored, vocab] when sampling
         batch: TokenBatch,
     ) -> Proposal:
         """Keep `budgets[b]` candidates of each row as its tree, nodes in creation order (parents first)."""
