@@ -83,9 +83,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         lengths = lengths.clone()
-        ids, mask, positions = batch.tail(self.num_seen)  # [batch, tail]
-        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
-        ids, mask, positions = self._catch_up_backlog(ids, mask, positions)
+        ids, mask, positions = self._unseen_tail(batch)
         tokens, probs = [], []
         for position in range(int(lengths.max())):
             scores = self._forward(ids, mask, positions)  # [batch, vocab]
@@ -125,6 +123,13 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.num_seen = None
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+    def _unseen_tail(self, batch: TokenBatch) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        """Ids, mask and positions (`[batch, width]`) of the committed tokens the draft has not seen, to feed in the
+        first draft forward; a wide backlog is caught up first (`_catch_up_backlog`)."""
+        ids, mask, positions = batch.tail(self.num_seen)  # [batch, tail]
+        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
+        return self._catch_up_backlog(ids, mask, positions)
+
     def _catch_up_backlog(
         self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor
     ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:

@@ -66,10 +66,8 @@ class DraftTreeProposer(DraftModelProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        budgets = lengths if node_budgets is None else torch.where(lengths > 0, node_budgets.to(lengths.device), 0)
-        ids, mask, positions = batch.tail(self.num_seen)
-        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
-        ids, mask, positions = self._catch_up_backlog(ids, mask, positions)
+        budgets = lengths if node_budgets is None else node_budgets.to(lengths.device)  # rows with depth 0 get none
+        ids, mask, positions = self._unseen_tail(batch)
         self._fed_nodes = lengths.new_zeros((batch.batch_size, 0))
         if int(lengths.max()) == 0:
             return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths), None)

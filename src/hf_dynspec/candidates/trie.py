@@ -134,7 +134,7 @@ class LookupTreeProposer(PromptLookupProposer):
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         lengths = lengths.clamp(max=self.num_output_tokens)
-        budgets = lengths if node_budgets is None else torch.where(lengths > 0, node_budgets.to(lengths.device), 0)
+        budgets = lengths if node_budgets is None else node_budgets.to(lengths.device)  # depth 0: root only
         tries = [
             lookup_trie(batch.real_tokens(row), self.max_ngram, self.min_ngram, int(budgets[row]), int(lengths[row]))
             for row in range(batch.batch_size)
