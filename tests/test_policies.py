@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ from hf_dynspec.policies import (
     best_draft_lengths,
     build_policy,
 )
-from hf_dynspec.policies.confidence import best_threshold
+from hf_dynspec.policies.confidence import best_threshold, calibrated_acceptance
 from hf_dynspec.policies.goodput import candidate_lengths
 
 # The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
@@ -481,6 +482,61 @@ def test_goodput_uses_the_confidence_stop_as_early_stop() -> None:
     assert policy.continue_drafting(torch.tensor([0, 1]), 0, torch.tensor([0.2, 0.8])).tolist() == [False, True]
     assert GoodputPolicy(cost_model=FunctionCost(padded_cost)).continue_drafting(
         torch.tensor([0]), 0, torch.tensor([0.2])) is None
+
+
+def test_calibrated_acceptance_starts_at_the_draft_probability_and_learns_monotone_rates() -> None:
+    empty = np.zeros(0)
+    assert calibrated_acceptance(empty, empty, np.array([0.05, 0.55, 0.95])).tolist() == pytest.approx([0.05, 0.55, 0.95])
+    generator = np.random.default_rng(0)
+    probs = generator.uniform(size=400)
+    labels = (probs > 0.5).astype(np.float64)  # the draft is right exactly when it is more than half sure
+    rates = calibrated_acceptance(probs, labels, np.array([0.05, 0.35, 0.65, 0.95]))
+    assert rates[0] < 0.05 and rates[1] < 0.05 and rates[2] > 0.95 and rates[3] > 0.95
+    labels = 1.0 - labels  # a draft that is wrong when sure: rates still never fall as the probability rises
+    rates = calibrated_acceptance(probs, labels, np.linspace(0.0, 1.0, 21))
+    assert (np.diff(rates) >= 0).all()
+
+
+def offload_like_cost() -> PaddedCostModel:
+    """Verifying 1 or 17 tokens costs the same 0.45 s; a draft forward 0.05 s."""
+    return PaddedCostModel(PiecewiseLinear.fit({1: (0.45, 1), 64: (0.45, 1)}), PiecewiseLinear.fit({1: (0.05, 1)}))
+
+
+def in_memory_cost() -> PaddedCostModel:
+    """Every verified token costs 0.05 s on top of a 0.15 s step; a draft forward 0.05 s."""
+    return PaddedCostModel(PiecewiseLinear.fit({1: (0.15, 1), 64: (3.3, 1)}), PiecewiseLinear.fit({1: (0.05, 1)}))
+
+
+def drafted_until_stop(policy: GoodputPolicy, probs: list[float]) -> int:
+    """Draft tokens a one-row step keeps under the marginal stop, the draft being `probs` sure of each."""
+    requested = int(policy.draft_lengths(request(1, len(probs)))[0])  # the cap, or what the loss budget allows
+    for position, prob in enumerate(probs[:requested]):
+        if not bool(policy.continue_drafting(torch.tensor([0]), position, torch.tensor([prob]))[0]):
+            return position + 1
+    return requested
+
+
+def test_marginal_stop_drafts_long_when_verifying_is_free_and_short_when_it_costs() -> None:
+    sure = [0.95] * 16
+    policy = GoodputPolicy(GoodputSettings(early_stop="marginal", loss_budget=None), cost_model=offload_like_cost())
+    policy.reset(1)
+    policy.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([38]))
+    assert drafted_until_stop(policy, sure) >= 12
+    assert drafted_until_stop(policy, [0.95, 0.95, 0.95, 0.02] + sure[4:]) == 4  # an unsure draft token ends it
+    costly = GoodputPolicy(GoodputSettings(early_stop="marginal", loss_budget=None), cost_model=in_memory_cost())
+    costly.reset(1)
+    costly.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([38]))
+    assert 2 <= drafted_until_stop(costly, sure) <= 4
+
+
+def test_marginal_stop_keeps_a_stopped_row_stopped() -> None:
+    policy = GoodputPolicy(GoodputSettings(early_stop="marginal", loss_budget=None), cost_model=offload_like_cost())
+    policy.reset(2)
+    policy.acceptance.update(torch.tensor([0, 1]), torch.tensor([40, 40]), torch.tensor([38, 38]))
+    assert policy.draft_lengths(request(2, 8)).tolist() == [8, 8]
+    rows = torch.tensor([0, 1])
+    assert policy.continue_drafting(rows, 0, torch.tensor([0.9, 0.01])).tolist() == [True, False]
+    assert policy.continue_drafting(rows, 1, torch.tensor([0.9, 0.99])).tolist() == [True, False]
 
 
 @pytest.mark.parametrize(

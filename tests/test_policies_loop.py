@@ -93,6 +93,8 @@ POLICY_CONFIGS = {
                                      policy_options={"cost_model": "profile", "profile": linear_profile()}),
     "goodput_early_stop": DynSpecConfig(num_speculative_tokens=6, policy="goodput", policy_options={
         "cost_model": "profile", "profile": linear_profile(), "early_stop": {"threshold": 0.5}}),
+    "goodput_marginal_stop": DynSpecConfig(num_speculative_tokens=6, policy="goodput", policy_options={
+        "cost_model": "profile", "profile": linear_profile(), "early_stop": "marginal"}),
     "confidence": DynSpecConfig(num_speculative_tokens=6, policy="confidence", policy_options={"threshold": 0.5}),
     "heuristic": DynSpecConfig(num_speculative_tokens=6, policy="heuristic"),
 }

@@ -70,11 +70,22 @@ class ConfidenceStopper:
 
     def continue_drafting(self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor) -> torch.BoolTensor:
         """`[batch]` True where the row's draft probability `draft_probs` (`[batch]`) reaches the threshold."""
+        return self.record(row_ids, position, draft_probs) >= self.threshold
+
+    def record(self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor) -> torch.Tensor:
+        """Keep the draft probabilities `[batch]` of draft position `position` until the step is judged; returns them
+        as float64 on the CPU."""
         rows = row_ids.cpu().long()
         probs = draft_probs.detach().to("cpu", torch.float64)
         self._grow(int(rows.max()) + 1 if rows.numel() else 0, position + 1)
         self._pending[rows, position] = probs
-        return probs >= self.threshold
+        return probs
+
+    def acceptance_given(self, probs: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance `[batch]` of draft tokens with draft probabilities `probs` (`[batch]`), from the
+        judged tokens so far (`calibrated_acceptance`)."""
+        history = np.fromiter(self.probs, dtype=np.float64), np.fromiter(self.labels, dtype=np.float64)
+        return torch.from_numpy(calibrated_acceptance(*history, probs.to("cpu", torch.float64).numpy()))
 
     def observe(self, feedback: StepFeedback) -> None:
         """Record which recorded draft tokens were accepted, then re-fit the threshold."""
@@ -108,6 +119,24 @@ class ConfidenceStopper:
             grown = torch.full((max(rows, num_rows), max(cols, positions)), math.nan, dtype=torch.float64)
             grown[:rows, :cols] = self._pending
             self._pending = grown
+
+
+def calibrated_acceptance(
+    probs: np.ndarray, labels: np.ndarray, query: np.ndarray, bins: int = 10, prior_weight: float = 2.0
+) -> np.ndarray:
+    """How often draft tokens with draft probability `query` (`[n]`) are accepted, from judged tokens.
+
+    `probs` / `labels` (`[m]`, 1 = accepted) are the judged history. The unit interval is cut into `bins` equal bins;
+    a bin's rate is its accepted count plus `prior_weight` pseudo-tokens accepted at the bin's centre probability
+    (so with no history the answer is the draft's own probability), and rates are made non-decreasing in the
+    probability (a surer draft is never predicted to be accepted less often).
+    """
+    centres = (np.arange(bins) + 0.5) / bins
+    index = np.minimum((probs * bins).astype(np.int64), bins - 1)
+    counts = np.bincount(index, minlength=bins)
+    accepted = np.bincount(index, weights=labels, minlength=bins)
+    rates = np.maximum.accumulate((accepted + prior_weight * centres) / (counts + prior_weight))
+    return rates[np.minimum((np.clip(query, 0.0, 1.0) * bins).astype(np.int64), bins - 1)]
 
 
 def best_threshold(probs: np.ndarray, labels: np.ndarray, false_negative_cost: float) -> float:

@@ -42,6 +42,7 @@ from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .confidence import ConfidenceSettings, ConfidenceStopper
 
 COST_MODELS = ("online", "profile")
+MARGINAL_STOP = "marginal"
 
 
 def candidate_lengths(
@@ -178,9 +179,11 @@ class GoodputSettings:
         metadata={"help": "Token trees: nodes are added while the verify forward costs at most this fraction more "
                   "than for a chain of the chosen depth (the target's nearly free slots)."},
     )
-    early_stop: dict | bool | None = field(
+    early_stop: dict | bool | str | None = field(
         default=None,
-        metadata={"help": "Confidence early stop: true for defaults or a dict of `confidence` options; off if None."},
+        metadata={"help": "'marginal': each row drafts while its next token's expected tokens per second beat the "
+                  "step's (see `continue_drafting`); true or a dict of `confidence` options: the confidence "
+                  "threshold stop; off if None."},
     )
 
     def __post_init__(self) -> None:
@@ -208,8 +211,11 @@ class GoodputSettings:
         check_int("stale_after", self.stale_after, 1)
         check_int("probe_interval", self.probe_interval, 0)
         LossBudget(self.loss_budget)  # validates
-        if self.early_stop is not None and not isinstance(self.early_stop, (bool, dict)):
-            raise ValueError(f"`early_stop` must be None, a bool or a dict of confidence options, got {self.early_stop!r}.")
+        stop = self.early_stop
+        if stop is not None and stop != MARGINAL_STOP and not isinstance(stop, (bool, dict)):
+            raise ValueError(
+                f"`early_stop` must be None, '{MARGINAL_STOP}', a bool or a dict of confidence options, got {stop!r}."
+            )
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> GoodputSettings:
@@ -257,6 +263,10 @@ class GoodputPolicy(DraftLengthPolicy):
         self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.stopper = _build_stopper(s.early_stop)
+        self.marginal = s.early_stop == MARGINAL_STOP
+        self._drafting = torch.zeros(0, dtype=torch.bool)  # [batch] rows of the step still drafting (marginal stop)
+        self._path = torch.zeros(0, dtype=torch.float64)  # [batch] chance that every draft token so far is accepted
+        self._expected = torch.zeros(0, dtype=torch.float64)  # [batch] expected emitted tokens of the step so far
         self.budget = LossBudget(s.loss_budget)
         self.catchup = CatchupCost(s.window)
         self.plain_streak = 0
@@ -300,9 +310,12 @@ class GoodputPolicy(DraftLengthPolicy):
             if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
                 self.plain_streak = 0
                 lengths, self._free = self._search(request, caps, catchup, optimistic=True)
+        if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
+            lengths = caps.clone()  # the marginal stop decides where each row's draft ends
         lengths = self._within_budget(request, lengths, catchup)
         if not bool((lengths > 0).any()):
             self._free = None
+        self._drafting = lengths > 0
         return lengths
 
     def _could_pay(self, request: PolicyInput, caps: torch.LongTensor) -> bool:
@@ -365,13 +378,44 @@ class GoodputPolicy(DraftLengthPolicy):
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
+        """With `early_stop='marginal'`: row `i` drafts one more token when that token's expected tokens per extra
+        second beat the step's expected tokens per second so far,
+
+            P_i * a_i / (C(j + 1) - C(j))  >=  sum_r E_r / C(j),
+
+        where `P_i` is the chance that all `j = position + 1` draft tokens so far are accepted (the product of their
+        calibrated acceptances given the draft's probabilities, `ConfidenceStopper.acceptance_given`), `a_i` the
+        row's acceptance estimate for the next token, `E_r = 1 + sum of the P_r` along the way and `C(j)` the price
+        of a step with `j` draft tokens per row. Greedy stopping on the ratio: when verifying is nearly free (an
+        offloaded target) drafts run long wherever the draft is sure; when every verified token costs, they stop
+        early. Otherwise the confidence threshold stop, or none."""
         if self.stopper is None:
             return None
-        return self.stopper.continue_drafting(row_ids, position, draft_probs)
+        if not self.marginal:
+            return self.stopper.continue_drafting(row_ids, position, draft_probs)
+        probs = self.stopper.record(row_ids, position, draft_probs)  # [batch]
+        batch, drafted = probs.shape[0], position + 1
+        if position == 0 or self._path.shape[0] != batch:
+            self._path = torch.ones(batch, dtype=torch.float64)
+            self._expected = torch.ones(batch, dtype=torch.float64)
+            if self._drafting.shape[0] != batch:
+                self._drafting = torch.ones(batch, dtype=torch.bool)
+        self._path = torch.where(self._drafting, self._path * self.stopper.acceptance_given(probs), self._path)
+        self._expected = torch.where(self._drafting, self._expected + self._path, self._expected)
+        now = self._chain_seconds(batch, drafted)
+        extra = max(self._chain_seconds(batch, drafted + 1) - now, 1e-9)
+        gain = self._path * self.acceptance.mean(row_ids)  # [batch] expected tokens the next draft token adds
+        keep = self._drafting & (gain * now >= extra * float(self._expected.sum()))
+        self._drafting = keep
+        return keep
 
     # ---- pricing -----------------------------------------------------------------------------------------------
     def _plain_seconds(self, batch: int) -> float:
         return float(self.cost_model.step_seconds(batch, torch.zeros(batch, dtype=torch.long)))
+
+    def _chain_seconds(self, batch: int, drafted: int) -> float:
+        """Price of a step in which every row drafts `drafted` tokens (no catch-up: it is paid before drafting)."""
+        return self._price(batch, torch.full((batch,), drafted, dtype=torch.long), None, 0.0)
 
     def _catchup_seconds(self, request: PolicyInput) -> float:
         """Predicted seconds of the draft's catch-up forward if it drafts this step (0 when the backlog rides inline)."""
@@ -524,11 +568,13 @@ def _build_cost_model(settings: GoodputSettings) -> StepCostModel:
     )
 
 
-def _build_stopper(early_stop: dict | bool | None) -> ConfidenceStopper | None:
+def _build_stopper(early_stop: dict | bool | str | None) -> ConfidenceStopper | None:
     if early_stop is None or early_stop is False:
         return None
     if early_stop is True:
         return ConfidenceStopper()
+    if early_stop == MARGINAL_STOP:
+        return ConfidenceStopper(ConfidenceSettings(adaptive=False))  # records judged tokens for the calibration
     known = {f.name for f in fields(ConfidenceSettings)}
     unknown = sorted(set(early_stop) - known)
     if unknown:
