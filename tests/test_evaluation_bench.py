@@ -62,6 +62,38 @@ def test_bad_method_lists_are_explained(names, message):
         methods.parse_methods(names)
 
 
+def test_draft_variants_in_method_names():
+    parsed = {m.name: m for m in methods.parse_methods("plain,dynspec-goodput/4bit,hf-assisted/bf16,dynspec-tree:8/fp32")}
+    assert parsed["dynspec-goodput/4bit"].draft_variant == "4bit"
+    assert parsed["dynspec-goodput/4bit"].dynspec_config.policy == "goodput"
+    assert parsed["hf-assisted/bf16"].kind == "hf" and parsed["hf-assisted/bf16"].draft_variant == "bf16"
+    assert parsed["dynspec-tree:8/fp32"].dynspec_config.tree_node_budget == 8
+    assert parsed["plain"].draft_variant is None
+    with pytest.raises(MethodError, match="must be one of"):
+        methods.parse_method("dynspec-goodput/3bit")
+    with pytest.raises(MethodError, match="uses no draft model"):
+        methods.parse_method("hf-prompt-lookup/4bit")
+
+
+def test_a_draft_variant_runs_beside_the_draft_in_one_run(pair):
+    settings = bench.BenchSettings(tiny=True, num_prompts=3, batch_sizes=[3], max_new_tokens=8, repetitions=1,
+                                   warmup_tokens=0, methods="plain,dynspec-static:3,dynspec-static:3/bf16")
+    prompts = random_token_prompts(3, TINY_VOCAB, seed=6)
+    results = bench.run_benchmark(settings, target=pair[0], draft=pair[1], prompts=prompts, progress=False)
+    runs = {r["method"]: r for r in results["runs"]}
+    assert runs["dynspec-static:3/bf16"]["draft_forwards"] > 0
+    assert runs["dynspec-static:3/bf16"]["matches_plain"] and runs["dynspec-static:3"]["matches_plain"]
+    assert settings.loaded_models["draft/bf16"] == {"dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="dtype variants only"):
+        bench.load_variant_drafts(settings, ["4bit"])
+    other = tiny_pair(seed=1)[1]
+    run = runner.Runner(pair[0], pair[1], max_new_tokens=4, variant_drafts={"bf16": other})
+    assert run._draft(methods.parse_method("dynspec-static:3/bf16")) is other
+    assert run._draft(methods.parse_method("dynspec-static:3")) is pair[1]
+    with pytest.raises(ValueError, match="not loaded"):
+        run.run(methods.parse_method("dynspec-static:3/8bit"), [[5, 6]], batch_size=1, progress=False)
+
+
 def test_bad_policy_option_and_unknown_policy():
     with pytest.raises(MethodError, match="POLICY.OPTION=VALUE"):
         methods.parse_policy_options(["window=5"])

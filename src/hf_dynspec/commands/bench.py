@@ -8,6 +8,7 @@ hf-dynspec bench --scenario long-tail --out long_tail.json
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
 hf-dynspec bench --scenario offload --out offload.json
 hf-dynspec bench --draft qwen2.5-coder-0.5b@8bit --target-dtype bfloat16 --batch-sizes 1
+hf-dynspec bench --target-dtype float32 --batch-sizes 1 --methods plain,dynspec-goodput/fp32,dynspec-goodput/4bit
 ```
 """
 
@@ -100,7 +101,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="Fewer prompts at some batch sizes, e.g. 1=4 (batch size 1 is slowest per prompt).")
     parser.add_argument("--batch-sizes", type=_int_list, help="Comma-separated, e.g. 1,4,16.")
     parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--methods", help="Comma-separated; see `hf_dynspec.evaluation.methods` for the names.")
+    parser.add_argument("--methods", help="Comma-separated; see `hf_dynspec.evaluation.methods` for the names. A "
+                        "method that uses the draft may end in /VARIANT to run with that variant of the draft ("
+                        + ", ".join(VARIANTS) + "), e.g. dynspec-goodput/4bit.")
     parser.add_argument("--policy-option", action="append", metavar="POLICY.OPTION=VALUE",
                         help="Option of a dynspec policy, e.g. batch_table.table=table.json (repeatable).")
     parser.add_argument("--table", type=Path,

@@ -246,20 +246,25 @@ def run_benchmark(
     draft: torch.nn.Module | None = None,
     prompts: list[list[int]] | None = None,
     progress: bool = True,
+    variant_drafts: dict[str, torch.nn.Module] | None = None,
 ) -> dict[str, Any]:
     """Run every method at every batch size; returns the results dict (see the module docstring).
 
-    Models and prompt token ids are loaded from `settings` unless given. Methods run interleaved (the order rotates
+    Models and prompt token ids are loaded from `settings` unless given; so are the draft variants that methods
+    name (`method/variant`, see `methods`), unless `variant_drafts` has them. Methods run interleaved (the order rotates
     every repetition) so drift in machine speed hits all alike; each (method, batch size) is warmed up once.
     """
 
     methods = parse_methods(settings.methods, settings.policy_options)
     check_policies(methods)
     if target is None or prompts is None:
-        loaded_target, loaded_draft, loaded_prompts = load_inputs(settings, need_draft=any(m.uses_draft for m in methods))
+        need_draft = any(m.uses_draft and m.draft_variant is None for m in methods)
+        loaded_target, loaded_draft, loaded_prompts = load_inputs(settings, need_draft=need_draft)
         target, draft = target or loaded_target, draft or loaded_draft
         prompts = prompts if prompts is not None else loaded_prompts
-    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed)
+    variants = sorted({m.draft_variant for m in methods if m.draft_variant} - set(variant_drafts or {}))
+    variant_drafts = {**(variant_drafts or {}), **load_variant_drafts(settings, variants)}
+    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts)
     budgets = (
         long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
         if settings.output_lengths == "long-tail"
@@ -426,3 +431,27 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     target = load_model(target_location, target_options)
     settings.loaded_models["target"] = target.hf_dynspec_load
     return target, draft, prompts
+
+
+def load_variant_drafts(settings: BenchSettings, variants: list[str]) -> dict[str, torch.nn.Module]:
+    """The bench's draft loaded once per variant in `variants` (`models.VARIANTS`), recorded in `loaded_models` as
+    `draft/<variant>`. Tiny drafts take the dtype variants only."""
+    from .models import VARIANTS, load_model, resolve_model
+
+    drafts: dict[str, torch.nn.Module] = {}
+    for variant in variants:
+        if settings.tiny:
+            from .tiny import tiny_pair
+
+            if set(VARIANTS[variant]) != {"dtype"}:
+                raise ValueError(f"Tiny models take dtype variants only (fp32, bf16), not {variant!r}.")
+            drafts[variant] = tiny_pair(settings.seed)[1].to(DTYPES[VARIANTS[variant]["dtype"]])
+            record = {"dtype": VARIANTS[variant]["dtype"]}
+        else:
+            if not settings.draft:
+                raise ValueError(f"The draft variant {variant!r} needs a draft model (--draft).")
+            name, options = settings.load_options("draft")
+            drafts[variant] = load_model(resolve_model(name), options.with_variant(VARIANTS[variant]))
+            record = drafts[variant].hf_dynspec_load
+        settings.loaded_models[f"draft/{variant}"] = record
+    return drafts

@@ -15,10 +15,15 @@
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
 takes its options from `policy_options["goodput@profile"]`.
+
+Any method that uses the draft model may end in `/<variant>` to run with a variant of the bench's draft instead
+(`fp32`, `bf16`, `8bit`, `4bit`, see `models.VARIANTS`): `dynspec-goodput/4bit` and `dynspec-goodput/fp32` compare a
+4-bit and a float32 draft in one run, on the same prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +51,8 @@ class Method:
     assistant_settings: dict[str, Any] = field(default_factory=dict, hash=False)
     """Attributes set on the draft model's `generation_config` while this method runs (transformers reads them there)."""
     dynspec_config: DynSpecConfig | None = field(default=None, hash=False)
+    draft_variant: str | None = None
+    """A variant of the bench's draft to run with (`models.VARIANTS`), or None for the draft as loaded."""
 
     @property
     def batched(self) -> bool:
@@ -67,6 +74,20 @@ def _count(name: str, argument: str | None, default: int) -> int:
 
 def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = None) -> Method:
     """The `Method` for `name` (see the module docstring for the accepted names)."""
+    from .models import VARIANTS
+
+    stem, slash, variant = name.strip().partition("/")
+    if not slash:
+        return _parse_stem(name, policy_options)
+    if variant not in VARIANTS:
+        raise MethodError(f"In method {name!r} the draft variant after '/' must be one of {sorted(VARIANTS)}.")
+    method = _parse_stem(stem, policy_options)
+    if not method.uses_draft:
+        raise MethodError(f"Method {stem!r} uses no draft model, so {name!r} has no draft to vary; drop '/{variant}'.")
+    return dataclasses.replace(method, name=name.strip(), draft_variant=variant)
+
+
+def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> Method:
     base, _, argument = name.strip().partition(":")
     argument = argument or None
     if base == "plain" and argument is None:

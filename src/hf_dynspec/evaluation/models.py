@@ -284,6 +284,7 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("none", "8bit", "4bit")
 VARIANTS: dict[str, dict[str, str]] = {
+    "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "8bit": {"quantization": "8bit"},
     "4bit": {"quantization": "4bit"},

@@ -152,8 +152,14 @@ class Runner:
         max_new_tokens: int,
         do_sample: bool = False,
         seed: int = 0,
+        variant_drafts: dict[str, PreTrainedModel] | None = None,
     ) -> None:
+        """
+        Args:
+            variant_drafts: drafts for methods with a `draft_variant`, by variant (e.g. `{"4bit": model}`).
+        """
         self.target, self.draft = target, draft
+        self.variant_drafts = dict(variant_drafts or {})
         self.max_new_tokens, self.do_sample, self.seed = max_new_tokens, do_sample, seed
         config = target.generation_config
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else _first(config.eos_token_id))
@@ -162,7 +168,7 @@ class Runner:
         self._policies: dict[str, Any] = {}
         self._draft_configs: dict[str, Any] = {}
         self._target_counter = ForwardCounter(target)
-        self._draft_counter = ForwardCounter(draft)
+        self._draft_counters = [ForwardCounter(m) for m in (draft, *self.variant_drafts.values())]
 
     # ---- public ------------------------------------------------------------------------------------------------
     def run(
@@ -175,9 +181,9 @@ class Runner:
         progress: bool = True,
     ) -> Outcome:
         """Generate for every prompt (in order) with `method`, `batch_size` prompts per `generate` call."""
-        if method.uses_draft and self.draft is None:
+        if method.uses_draft and self._draft(method) is None:
             raise ValueError(f"Method {method.name!r} needs a draft model; pass one (--draft).")
-        self._target_counter.take(), self._draft_counter.take()
+        self._target_counter.take(), self._draft_forwards()
         outcome = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
         chunks = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
         for chunk in tqdm(chunks, desc=f"{method.name} @ {batch_size}", leave=False, disable=not progress):
@@ -190,13 +196,27 @@ class Runner:
                     row_budget = [batch_budgets[row]] if batch_budgets is not None else None
                     self._generate(method, [prompt], row_budget, max_new_tokens, outcome)
         outcome.target_forwards += self._target_counter.take()
-        outcome.draft_forwards += self._draft_counter.take()
+        outcome.draft_forwards += self._draft_forwards()
         return outcome
 
     def close(self) -> None:
         """Remove the forward hooks."""
         self._target_counter.remove()
-        self._draft_counter.remove()
+        for counter in self._draft_counters:
+            counter.remove()
+
+    def _draft(self, method: Method) -> PreTrainedModel | None:
+        """The draft model `method` runs with (a variant's own model when it names one)."""
+        if method.draft_variant is None:
+            return self.draft
+        if method.draft_variant not in self.variant_drafts:
+            raise ValueError(f"Method {method.name!r} needs the draft variant {method.draft_variant!r}, which is not "
+                             f"loaded; loaded variants: {sorted(self.variant_drafts)}.")
+        return self.variant_drafts[method.draft_variant]
+
+    def _draft_forwards(self) -> int:
+        """Draft forwards since the last call, over every loaded draft (only the running method's draft counts)."""
+        return sum(counter.take() for counter in self._draft_counters)
 
     # ---- one generate call --------------------------------------------------------------------------------------
     def _generate(
@@ -242,23 +262,24 @@ class Runner:
         if method.kind == "hf":
             if not method.uses_draft:
                 return self.target.generate(**kwargs)
-            saved = self.draft.generation_config
-            self.draft.generation_config = self._draft_config(method)
+            draft = self._draft(method)
+            saved = draft.generation_config
+            draft.generation_config = self._draft_config(method)
             try:
-                return self.target.generate(assistant_model=self.draft, **kwargs)
+                return self.target.generate(assistant_model=draft, **kwargs)
             finally:
-                self.draft.generation_config = saved
+                draft.generation_config = saved
         import hf_dynspec
 
         if method.uses_draft:
-            kwargs["assistant_model"] = self.draft
+            kwargs["assistant_model"] = self._draft(method)
         return hf_dynspec.generate(
             self.target, dynspec_config=method.dynspec_config, dynspec_policy=self._policy(method), **kwargs
         )
 
     def _draft_config(self, method: Method):
         if method.name not in self._draft_configs:
-            config = copy.deepcopy(self.draft.generation_config)
+            config = copy.deepcopy(self._draft(method).generation_config)
             for key, value in method.assistant_settings.items():
                 setattr(config, key, value)
             self._draft_configs[method.name] = config

@@ -264,6 +264,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.stopper = _build_stopper(s.early_stop)
         self.marginal = s.early_stop == MARGINAL_STOP
+        self._requested = torch.zeros(0, dtype=torch.long)  # [batch] the step's requested lengths
         self._drafting = torch.zeros(0, dtype=torch.bool)  # [batch] rows of the step still drafting (marginal stop)
         self._path = torch.zeros(0, dtype=torch.float64)  # [batch] chance that every draft token so far is accepted
         self._expected = torch.zeros(0, dtype=torch.float64)  # [batch] expected emitted tokens of the step so far
@@ -288,6 +289,11 @@ class GoodputPolicy(DraftLengthPolicy):
         self.catchup.observe_prefill(feedback.seconds, feedback.tokens, feedback.draft_cost_ratio)
 
     def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
+        lengths = self._choose(request)
+        self._requested = lengths  # the marginal stop follows only the rows that draft
+        return lengths
+
+    def _choose(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
         self.last_exploration, self.last_blocked, self._free = None, False, None
@@ -315,7 +321,6 @@ class GoodputPolicy(DraftLengthPolicy):
         lengths = self._within_budget(request, lengths, catchup)
         if not bool((lengths > 0).any()):
             self._free = None
-        self._drafting = lengths > 0
         return lengths
 
     def _could_pay(self, request: PolicyInput, caps: torch.LongTensor) -> bool:
@@ -398,8 +403,8 @@ class GoodputPolicy(DraftLengthPolicy):
         if position == 0 or self._path.shape[0] != batch:
             self._path = torch.ones(batch, dtype=torch.float64)
             self._expected = torch.ones(batch, dtype=torch.float64)
-            if self._drafting.shape[0] != batch:
-                self._drafting = torch.ones(batch, dtype=torch.bool)
+            requested = self._requested if self._requested.shape[0] == batch else torch.ones(batch, dtype=torch.long)
+            self._drafting = requested > position
         self._path = torch.where(self._drafting, self._path * self.stopper.acceptance_given(probs), self._path)
         self._expected = torch.where(self._drafting, self._expected + self._path, self._expected)
         now = self._chain_seconds(batch, drafted)
