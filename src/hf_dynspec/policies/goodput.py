@@ -460,14 +460,17 @@ class GoodputPolicy(DraftLengthPolicy):
         return seconds + forwards * per_forward + (catchup if forwards else 0.0)
 
     def _affordable_lengths(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
-        """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing, or
-        kept whole when speculation repays the step's extra cost twice over even at pessimistic acceptance."""
+        """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing, or,
+        when speculation repays the step's extra cost twice over even at pessimistic acceptance, capped at the
+        longest draft that pays at that acceptance (kept whole under the marginal stop, which ends drafts itself)."""
         batch = request.batch_size
         plain = self._plain_seconds(batch)
         future = plain * float(request.remaining_tokens.max())
         if self._price(batch, lengths, self._free, catchup) <= plain:
             return lengths
         savings, longest = self._pessimistic_savings(request, future)
+        if self.marginal and longest > 0 and savings >= 2.0 * (self._price(batch, lengths, self._free, catchup) - plain):
+            return lengths  # the marginal stop ends each draft where the draft's own confidence says it stops paying
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
         if longest > 0 and savings >= 2.0 * (self._price(batch, invested, self._free, catchup) - plain):
             return invested
