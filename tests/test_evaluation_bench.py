@@ -68,6 +68,8 @@ def test_draft_variants_in_method_names():
     assert parsed["dynspec-goodput/4bit"].dynspec_config.policy == "goodput"
     assert parsed["hf-assisted/bf16"].kind == "hf" and parsed["hf-assisted/bf16"].draft_variant == "bf16"
     assert parsed["dynspec-tree:8/fp32"].dynspec_config.tree_node_budget == 8
+    deep = methods.parse_method("dynspec-tree:32:16").dynspec_config
+    assert (deep.tree_node_budget, deep.num_speculative_tokens) == (32, 16)
     assert parsed["plain"].draft_variant is None
     with pytest.raises(MethodError, match="must be one of"):
         methods.parse_method("dynspec-goodput/3bit")

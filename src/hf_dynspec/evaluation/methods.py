@@ -9,7 +9,7 @@
 | `dynspec-<policy>[:K]` | `hf_dynspec.generate` with the draft model and policy `<policy>` (at most K draft tokens) |
 | `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
 | `dynspec-hybrid[:K]` | `goodput` with the hybrid proposer: per row and step, prompt lookup or the draft model |
-| `dynspec-tree[:N]` | `goodput` with draft-model token trees of at most N nodes per row (default 12) |
+| `dynspec-tree[:N[:D]]` | `goodput` with draft-model token trees of at most N nodes per row (default 12), D deep (default 4) |
 | `dynspec-tree-lookup[:N]` | `goodput` with prompt-lookup tries of at most N nodes per row (default 10) |
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
@@ -122,7 +122,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], "
-        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N], dynspec-tree-lookup[:N] or "
+        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."
     )
@@ -134,9 +134,11 @@ def _tree_method(
     """`goodput` with token trees: draft-model trees (`dynspec-tree`) or prompt-lookup tries (`dynspec-tree-lookup`)."""
     options = dict((policy_options or {}).get(base[len("dynspec-") :], {}))
     if base == "dynspec-tree":
-        nodes = _count(name, argument, DEFAULT_TREE_NODES)
-        config = DynSpecConfig(policy="goodput", policy_options=options, tree_node_budget=nodes,
-                               tree_branching=TREE_BRANCHING)
+        nodes_text, _, depth_text = (argument or "").partition(":")
+        nodes = _count(name, nodes_text or None, DEFAULT_TREE_NODES)
+        depth = _count(name, depth_text or None, DynSpecConfig().num_speculative_tokens)
+        config = DynSpecConfig(num_speculative_tokens=depth, policy="goodput", policy_options=options,
+                               tree_node_budget=nodes, tree_branching=TREE_BRANCHING)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=config)
     nodes = _count(name, argument, DEFAULT_TRIE_NODES)
     config = DynSpecConfig(num_speculative_tokens=DEFAULT_LOOKUP_TOKENS, policy="goodput", policy_options=options,
