@@ -233,6 +233,11 @@ def test_scenario_presets_and_overrides():
     )
     assert settings.batch_sizes == [2, 8] and settings.prompts_for(2) == 1 and settings.prompts_for(8) == 16
     assert settings.policy_options == {"goodput": {"window": 3}}
+    settings = bench_command.settings_from_args(_parse(["--scenario", "offload", "--policy-option",
+                                                        "goodput@marginal.window=5"]))
+    assert settings.policy_options == {"goodput@marginal": {"early_stop": "marginal", "window": 5}}
+    assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "1GiB"}
+    assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": {"early_stop": "marginal"}}
 
 
 def test_command_line_errors(capsys):

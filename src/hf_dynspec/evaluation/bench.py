@@ -61,14 +61,16 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     ),
     "offload": dict(
         dataset="humaneval",
-        num_prompts=4,
+        num_prompts=16,
         batch_sizes=[1],
-        max_new_tokens=64,
-        methods="plain,hf-assisted,dynspec-static:4,dynspec-goodput",
+        max_new_tokens=48,
+        methods="plain,hf-assisted,dynspec-goodput@marginal:16,dynspec-tree:32:16",
+        policy_options={"goodput@marginal": {"early_stop": "marginal"}},
         output_lengths="eos",
         # the default target (about 3 GiB in bfloat16) keeps 1 GiB of weights in memory (embeddings and the first
         # layers); accelerate reads the other layers from the offload folder in every forward, so a target step is
-        # dominated by weight movement and each target forward saved is worth far more than a draft forward
+        # dominated by weight movement and each target forward saved is worth far more than a draft forward: goodput
+        # may draft up to 16 tokens and ends each draft with the marginal stop; trees 16 deep with 32 nodes
         target_max_memory={"cpu": "1GiB"},
         target_offload_folder=str(default_cache_dir() / "offload" / "target"),
     ),
