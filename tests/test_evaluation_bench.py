@@ -87,7 +87,7 @@ def test_a_draft_variant_runs_beside_the_draft_in_one_run(pair):
     assert runs["dynspec-static:3/bf16"]["matches_plain"] and runs["dynspec-static:3"]["matches_plain"]
     assert settings.loaded_models["draft/bf16"] == {"dtype": "bfloat16"}
     with pytest.raises(ValueError, match="dtype variants only"):
-        bench.load_variant_drafts(settings, ["4bit"])
+        bench.load_variant_drafts(settings, ["4bit"], pair[1])
     other = tiny_pair(seed=1)[1]
     run = runner.Runner(pair[0], pair[1], max_new_tokens=4, variant_drafts={"bf16": other})
     assert run._draft(methods.parse_method("dynspec-static:3/bf16")) is other

@@ -33,7 +33,7 @@ from hf_dynspec.policies import (
     best_draft_lengths,
     build_policy,
 )
-from hf_dynspec.policies.confidence import best_threshold, calibrated_acceptance
+from hf_dynspec.policies.confidence import ConfidenceStopper, acceptance_rates, best_threshold
 from hf_dynspec.policies.goodput import candidate_lengths
 
 # The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
@@ -485,16 +485,19 @@ def test_goodput_uses_the_confidence_stop_as_early_stop() -> None:
 
 
 def test_calibrated_acceptance_starts_at_the_draft_probability_and_learns_monotone_rates() -> None:
-    empty = np.zeros(0)
-    assert calibrated_acceptance(empty, empty, np.array([0.05, 0.55, 0.95])).tolist() == pytest.approx([0.05, 0.55, 0.95])
+    stopper = ConfidenceStopper(ConfidenceSettings(adaptive=False))
+    assert stopper.acceptance_given(torch.tensor([0.05, 0.55, 0.95])).tolist() == pytest.approx([0.05, 0.55, 0.95])
     generator = np.random.default_rng(0)
     probs = generator.uniform(size=400)
     labels = (probs > 0.5).astype(np.float64)  # the draft is right exactly when it is more than half sure
-    rates = calibrated_acceptance(probs, labels, np.array([0.05, 0.35, 0.65, 0.95]))
+    stopper.reset(1)
+    for prob, label in zip(probs, labels):  # one-token steps, judged one by one
+        stopper.record(torch.tensor([0]), 0, torch.tensor([prob]))
+        stopper.observe(feedback([0], [1], [int(label)]))
+    rates = stopper.acceptance_given(torch.tensor([0.05, 0.35, 0.65, 0.95])).numpy()
     assert rates[0] < 0.05 and rates[1] < 0.05 and rates[2] > 0.95 and rates[3] > 0.95
-    labels = 1.0 - labels  # a draft that is wrong when sure: rates still never fall as the probability rises
-    rates = calibrated_acceptance(probs, labels, np.linspace(0.0, 1.0, 21))
-    assert (np.diff(rates) >= 0).all()
+    rates = acceptance_rates(probs, 1.0 - labels)  # a draft that is wrong when sure: rates still never fall
+    assert rates.shape == (10,) and (np.diff(rates) >= 0).all()
 
 
 def offload_like_cost() -> PaddedCostModel:

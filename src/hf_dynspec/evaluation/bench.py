@@ -8,6 +8,7 @@ the batches), and each trace holds the per-step records of a speculative-loop ru
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import os
@@ -265,7 +266,7 @@ def run_benchmark(
         target, draft = target or loaded_target, draft or loaded_draft
         prompts = prompts if prompts is not None else loaded_prompts
     variants = sorted({m.draft_variant for m in methods if m.draft_variant} - set(variant_drafts or {}))
-    variant_drafts = {**(variant_drafts or {}), **load_variant_drafts(settings, variants)}
+    variant_drafts = {**(variant_drafts or {}), **load_variant_drafts(settings, variants, draft)}
     runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts)
     budgets = (
         long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
@@ -435,19 +436,19 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     return target, draft, prompts
 
 
-def load_variant_drafts(settings: BenchSettings, variants: list[str]) -> dict[str, torch.nn.Module]:
+def load_variant_drafts(
+    settings: BenchSettings, variants: list[str], draft: torch.nn.Module | None = None
+) -> dict[str, torch.nn.Module]:
     """The bench's draft loaded once per variant in `variants` (`models.VARIANTS`), recorded in `loaded_models` as
-    `draft/<variant>`. Tiny drafts take the dtype variants only."""
+    `draft/<variant>`. A tiny `draft` takes the dtype variants only (a copy in that dtype)."""
     from .models import VARIANTS, load_model, resolve_model
 
     drafts: dict[str, torch.nn.Module] = {}
     for variant in variants:
         if settings.tiny:
-            from .tiny import tiny_pair
-
-            if set(VARIANTS[variant]) != {"dtype"}:
-                raise ValueError(f"Tiny models take dtype variants only (fp32, bf16), not {variant!r}.")
-            drafts[variant] = tiny_pair(settings.seed)[1].to(DTYPES[VARIANTS[variant]["dtype"]])
+            if set(VARIANTS[variant]) != {"dtype"} or draft is None:
+                raise ValueError(f"Tiny drafts take dtype variants only (fp32, bf16), not {variant!r}.")
+            drafts[variant] = copy.deepcopy(draft).to(DTYPES[VARIANTS[variant]["dtype"]])
             record = {"dtype": VARIANTS[variant]["dtype"]}
         else:
             if not settings.draft:

@@ -62,6 +62,7 @@ class ConfidenceStopper:
         self.threshold = float(self.settings.threshold)
         self.probs: deque[float] = deque(maxlen=self.settings.window)
         self.labels: deque[int] = deque(maxlen=self.settings.window)
+        self._rates: np.ndarray | None = None  # [bins] acceptance by draft-probability bin (`acceptance_rates`)
         self._pending = torch.full((0, 0), math.nan, dtype=torch.float64)  # [num_rows, positions] q of this step
 
     def reset(self, num_rows: int) -> None:
@@ -83,9 +84,13 @@ class ConfidenceStopper:
 
     def acceptance_given(self, probs: torch.Tensor) -> torch.Tensor:
         """Calibrated acceptance `[batch]` of draft tokens with draft probabilities `probs` (`[batch]`), from the
-        judged tokens so far (`calibrated_acceptance`)."""
-        history = np.fromiter(self.probs, dtype=np.float64), np.fromiter(self.labels, dtype=np.float64)
-        return torch.from_numpy(calibrated_acceptance(*history, probs.to("cpu", torch.float64).numpy()))
+        judged tokens up to the last step (`acceptance_rates`, refreshed once per step in `observe`)."""
+        if self._rates is None:
+            history = np.fromiter(self.probs, dtype=np.float64), np.fromiter(self.labels, dtype=np.float64)
+            self._rates = acceptance_rates(*history)
+        query = probs.to("cpu", torch.float64).numpy()
+        return torch.from_numpy(self._rates[np.minimum((np.clip(query, 0.0, 1.0) * self._rates.size).astype(np.int64),
+                                                       self._rates.size - 1)])
 
     def observe(self, feedback: StepFeedback) -> None:
         """Record which recorded draft tokens were accepted, then re-fit the threshold."""
@@ -103,6 +108,7 @@ class ConfidenceStopper:
         self.probs.extend(probs[judged].tolist())
         self.labels.extend(positive[judged].long().tolist())
         self._pending[rows] = math.nan
+        self._rates = None  # the calibration is refit from the new judged tokens when next asked
         if self.settings.adaptive:
             self._refit()
 
@@ -121,10 +127,8 @@ class ConfidenceStopper:
             self._pending = grown
 
 
-def calibrated_acceptance(
-    probs: np.ndarray, labels: np.ndarray, query: np.ndarray, bins: int = 10, prior_weight: float = 2.0
-) -> np.ndarray:
-    """How often draft tokens with draft probability `query` (`[n]`) are accepted, from judged tokens.
+def acceptance_rates(probs: np.ndarray, labels: np.ndarray, bins: int = 10, prior_weight: float = 2.0) -> np.ndarray:
+    """`[bins]` how often draft tokens are accepted, by bin of their draft probability, from judged tokens.
 
     `probs` / `labels` (`[m]`, 1 = accepted) are the judged history. The unit interval is cut into `bins` equal bins;
     a bin's rate is its accepted count plus `prior_weight` pseudo-tokens accepted at the bin's centre probability
@@ -135,8 +139,7 @@ def calibrated_acceptance(
     index = np.minimum((probs * bins).astype(np.int64), bins - 1)
     counts = np.bincount(index, minlength=bins)
     accepted = np.bincount(index, weights=labels, minlength=bins)
-    rates = np.maximum.accumulate((accepted + prior_weight * centres) / (counts + prior_weight))
-    return rates[np.minimum((np.clip(query, 0.0, 1.0) * bins).astype(np.int64), bins - 1)]
+    return np.maximum.accumulate((accepted + prior_weight * centres) / (counts + prior_weight))
 
 
 def best_threshold(probs: np.ndarray, labels: np.ndarray, false_negative_cost: float) -> float:
