@@ -1,4 +1,5 @@
-"""Benchmark prompts: HumanEval (code), ShareGPT (chat), any JSONL file, and random token prompts for tiny models.
+"""Benchmark prompts: HumanEval (code), ShareGPT (chat, and its code-edit requests), any JSONL file, and random token
+prompts for tiny models.
 
 Prompts are `Prompt` records (text used as is, or chat messages that get the tokenizer's chat template); `encode`
 turns them into token id lists, dropping prompts longer than a limit so one huge prompt cannot dominate a run.
@@ -8,14 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-DATASETS = ("humaneval", "sharegpt", "mixed")
+DATASETS = ("humaneval", "sharegpt", "codeedit", "mixed")
 """Named prompt sources; anything else must be a path to a `.jsonl` file."""
 
 
@@ -68,7 +70,47 @@ def humaneval_prompts(path: Path | None = None) -> list[Prompt]:
 
 
 def sharegpt_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
-    """First human turns of the first `limit` ShareGPT conversations that start with a non-empty human turn.
+    """First human turns of the first `limit` ShareGPT conversations that start with a non-empty human turn."""
+    return _first_turns(limit, path, "chat", lambda text: True)
+
+
+CODE_LINE = re.compile(
+    r"^\s*(def |class |import |from \S+ import |function |const |let |var |public |private |#include|return\b|"
+    r"for\s*\(|if\s*\(|while\s*\()",
+    re.MULTILINE,
+)
+"""A line that starts like code in the common languages."""
+EDIT_REQUEST = re.compile(
+    r"\b(refactor|rewrite|re-write|modify|fix|change|convert|update|improve|optimi[sz]e|add|rename|edit|clean up)\b",
+    re.IGNORECASE,
+)
+"""A request to change something."""
+
+
+def is_code_edit_request(text: str, min_chars: int = 200, max_chars: int = 2000) -> bool:
+    """True for a message that contains code (a fence, or at least three lines that start like code) and asks, in a
+    prose line (not a code line or comment), for it to be changed."""
+    if not min_chars <= len(text) <= max_chars:
+        return False
+    if "```" not in text and len(CODE_LINE.findall(text)) < 3:
+        return False
+    prose = [
+        line for line in text.splitlines()
+        if not CODE_LINE.match(line) and not line.lstrip().startswith(("#", "//", "/*", "*")) and len(line.split()) >= 4
+    ]
+    return any(EDIT_REQUEST.search(line) for line in prose)
+
+
+def codeedit_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
+    """ShareGPT first turns that show code and ask for it to be changed (`is_code_edit_request`), in file order.
+
+    Real users' code edits: answers copy long spans of the prompt, which is where prompt lookup pays.
+    """
+    return _first_turns(limit, path, "code-edit", is_code_edit_request)
+
+
+def _first_turns(limit: int, path: Path | None, task: str, keep: Callable[[str], bool]) -> list[Prompt]:
+    """The first human turns that `keep` accepts, of the ShareGPT conversations that start with a non-empty one.
 
     The file is one large JSON array, so records are decoded one at a time and reading stops once `limit` prompts
     are found; a copy cut off mid-record still yields every complete record before the cut.
@@ -77,8 +119,11 @@ def sharegpt_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
     with open(path or sharegpt_path(), encoding="utf-8") as stream:
         for record in iter_json_array(stream):
             turns = record.get("conversations") or []
-            if turns and turns[0].get("from") == "human" and str(turns[0].get("value", "")).strip():
-                prompts.append(Prompt(messages=[{"role": "user", "content": turns[0]["value"]}], task="chat"))
+            if not turns or turns[0].get("from") != "human":
+                continue
+            text = str(turns[0].get("value", ""))
+            if text.strip() and keep(text):
+                prompts.append(Prompt(messages=[{"role": "user", "content": text}], task=task))
                 if len(prompts) >= limit:
                     break
     return prompts
@@ -112,13 +157,16 @@ def mixed_prompts(limit: int) -> list[Prompt]:
 
 
 def load_prompts(dataset: str, limit: int) -> list[Prompt]:
-    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `mixed`) or a JSONL path, in file order."""
+    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `mixed`) or a JSONL path, in
+    file order."""
     if limit < 1:
         raise PromptSourceError(f"The number of prompts must be at least 1, got {limit}.")
     if dataset == "humaneval":
         return humaneval_prompts()[:limit]
     if dataset == "sharegpt":
         return sharegpt_prompts(limit)
+    if dataset == "codeedit":
+        return codeedit_prompts(limit)
     if dataset == "mixed":
         return mixed_prompts(limit)
     if dataset.endswith(".jsonl"):
