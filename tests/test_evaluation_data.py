@@ -43,6 +43,42 @@ def test_sharegpt_takes_first_human_turns(tmp_path):
     assert len(data.sharegpt_prompts(1, path)) == 1
 
 
+CODE = "def area(w, h):\n    return w * h\n\nclass Box:\n    pass\n\nimport math\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Can you refactor this function so it takes a tuple?\n" + CODE + "x" * 120, True),
+        ("Please rename the variables in this:\n```python\nx = 1\ny = 2\n```\n" + "y" * 150, True),
+        ("What does this code print when it runs?\n" + CODE + "x" * 120, False),  # code, but no change asked for
+        ("Can you rewrite my essay on cats so that it sounds more formal? " * 5, False),  # a change, but no code
+        (CODE + "# add the missing import here\n" + "x" * 120, False),  # the verb only in a comment
+        ("Fix this:\n" + CODE, False),  # too short
+    ],
+)
+def test_code_edit_requests_show_code_and_ask_for_a_change(text, expected):
+    assert data.is_code_edit_request(text) is expected
+
+
+def test_codeedit_prompts_keep_only_code_edit_first_turns(tmp_path):
+    edit = "Can you refactor this function so it takes a tuple?\n" + CODE + "x" * 120
+    records = [
+        {"conversations": [{"from": "human", "value": "hello?"}]},
+        {"conversations": [{"from": "human", "value": edit}]},
+        {"conversations": [{"from": "gpt", "value": edit}]},
+    ]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(records))
+    assert data.codeedit_prompts(10, path) == [Prompt(messages=[{"role": "user", "content": edit}], task="code-edit")]
+
+
+def test_packaged_codeedit_prompts_are_real_edit_requests():
+    prompts = data.load_prompts("codeedit", 16)
+    assert len(prompts) == 16 and all(p.task == "code-edit" for p in prompts)
+    assert all(data.is_code_edit_request(p.messages[0]["content"]) for p in prompts)
+
+
 def test_jsonl_prompts_read_messages_and_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
     lines = [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "def f():"}]

@@ -22,6 +22,7 @@ NON_DEFAULT = {
     "tree_branching": 3,
     "prompt_lookup_max_ngram": 5,
     "prompt_lookup_min_ngram": 2,
+    "prompt_lookup_max_tokens": 6,
     "compact_min_holes": 9,
     "compact_hole_fraction": 0.5,
     "collect_step_stats": False,

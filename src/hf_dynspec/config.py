@@ -66,6 +66,11 @@ class DynSpecConfig:
         default=1,
         metadata={"help": "Shortest n-gram the prompt-lookup proposer accepts as a match."},
     )
+    prompt_lookup_max_tokens: int = field(
+        default=10,
+        metadata={"help": "Hybrid proposer: most prompt-lookup tokens a row may propose in one step. They cost no "
+                  "draft forward, only verify width; `num_speculative_tokens` caps the draft model's tokens."},
+    )
     compact_min_holes: int = field(
         default=32,
         metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
@@ -85,6 +90,7 @@ class DynSpecConfig:
         self._check_int("tree_branching", minimum=1)
         self._check_int("prompt_lookup_max_ngram", minimum=1)
         self._check_int("prompt_lookup_min_ngram", minimum=1)
+        self._check_int("prompt_lookup_max_tokens", minimum=1)
         self._check_int("compact_min_holes", minimum=1)
         if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
             raise ValueError(

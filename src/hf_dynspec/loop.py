@@ -107,6 +107,7 @@ class _Run:
         self.pad_id = int(pad) if pad is not None else 0
         self.proposer = self._make_proposer(draft)
         self.max_draft = self._max_draft_tokens()
+        self.max_free = self.config.prompt_lookup_max_tokens if isinstance(self.proposer, HybridProposer) else self.max_draft
         num_rows, width = input_ids.shape
         max_new = generation_config.max_length - width
         self.output = input_ids.new_full((num_rows, width + max_new), self.pad_id)
@@ -135,7 +136,7 @@ class _Run:
             )
         model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
         if self.config.proposer == "hybrid" and self.config.num_speculative_tokens > 0:
-            return HybridProposer(model, self._lookup_proposer(self.config.num_speculative_tokens))
+            return HybridProposer(model, self._lookup_proposer(self.config.prompt_lookup_max_tokens))
         return model
 
     def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
@@ -258,8 +259,9 @@ class _Run:
     ) -> tuple[torch.LongTensor, torch.BoolTensor | None, torch.LongTensor | None]:
         """The policy's draft lengths (tree depths), capped so no row drafts past its remaining length budget; the
         rows it serves from the model-free proposal (hybrid proposers; `None` otherwise); and each row's tree node
-        budget (`None` for chains)."""
-        backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_draft)
+        budget (`None` for chains). Draft-model tokens are capped at `num_speculative_tokens`, prompt-lookup tokens
+        of a hybrid at `prompt_lookup_max_tokens` (they cost no draft forward)."""
+        backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_free)
         request = PolicyInput(
             step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget
         )
@@ -269,13 +271,17 @@ class _Run:
                 f"Policy {type(self.policy).__name__} returned draft lengths {lengths.tolist()}; expected "
                 f"{batch.batch_size} non-negative integers (one per active row)."
             )
-        lengths = self.decisions.lengths(lengths.clamp(max=self.max_draft).minimum(batch.remaining - 1).clamp(min=0))
         free_rows = self.policy.free_rows(request) if free_lengths is not None else None
+        caps = torch.full_like(lengths, self.max_draft)
+        if free_rows is not None:
+            free_rows = self.decisions.lengths(free_rows.to(lengths.device).long()).bool()
+            caps = torch.where(free_rows, self.max_free, caps)
+        lengths = self.decisions.lengths(lengths.minimum(caps).minimum(batch.remaining - 1).clamp(min=0))
         budgets = None
         if self.config.tree_node_budget:
             budgets = self.policy.node_budgets(request, lengths).to(lengths.device)
             budgets = self.decisions.lengths(torch.where(lengths > 0, budgets.clamp(1, self.config.tree_node_budget), 0))
-        return lengths, free_rows.to(lengths.device) if free_rows is not None else None, budgets
+        return lengths, free_rows, budgets
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""

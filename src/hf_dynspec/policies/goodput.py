@@ -472,6 +472,8 @@ class GoodputPolicy(DraftLengthPolicy):
         if self.marginal and longest > 0 and savings >= 2.0 * (self._price(batch, lengths, self._free, catchup) - plain):
             return lengths  # the marginal stop ends each draft where the draft's own confidence says it stops paying
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
+        if self._free is not None:
+            invested = torch.where(self._free, lengths, invested)  # lookup rows cost verify width only
         if longest > 0 and savings >= 2.0 * (self._price(batch, invested, self._free, catchup) - plain):
             return invested
         for longest in range(int(lengths.max()), 0, -1):
@@ -515,11 +517,15 @@ class GoodputPolicy(DraftLengthPolicy):
         if request.free_lengths is None:
             return lengths, None
         by_lookup = self.lookup_acceptance.upper(rows, z) if optimistic else self.lookup_acceptance.mean(rows)
-        lookup_caps = torch.minimum(caps, request.free_lengths.cpu())
-        lookup_only = best_draft_lengths(by_lookup, lookup_caps, max_k, _verify_only(self.cost_model))
+        # Lookup tokens cost no draft forward, so they are not held to the draft model's cap: only to what the
+        # lookup offers (at most `prompt_lookup_max_tokens`) and to the row's remaining tokens.
+        room = (request.remaining_tokens.cpu() - 1).clamp(min=0)
+        lookup_caps = torch.minimum(room, request.free_lengths.cpu())  # [batch]
+        longest = max(max_k, int(lookup_caps.max()) if lookup_caps.numel() else 0)
+        lookup_only = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(self.cost_model))
         better = (lookup_caps > 0) & (expected_tokens(by_lookup, lookup_caps) >= expected_tokens(by_draft, caps))
         mixed = best_draft_lengths(
-            torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), max_k, priced
+            torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), longest, priced
         )
         options = [(lengths, torch.zeros_like(better)), (lookup_only, lookup_only > 0), (mixed, better & (mixed > 0))]
         return max(options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, catchup))
