@@ -80,6 +80,8 @@ def test_right_padding(target):
 def test_negative_lengths(target, inputs):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         DynSpecConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="`prompt_lookup_max_tokens` must be an integer >= 1"):
+        DynSpecConfig(prompt_lookup_max_tokens=0)
 
     class Negative(DraftLengthPolicy):
         def draft_lengths(self, request):

@@ -303,3 +303,19 @@ def test_profile_load_reports_a_missing_file() -> None:
     with pytest.raises(ValueError, match="does not exist; create it with `hf-dynspec calibrate`"):
         Profile.load("/nonexistent/profile.json")
 
+
+
+def test_online_cost_model_times_draft_forwards_of_draft_model_rows_only() -> None:
+    """A hybrid's prompt-lookup rows propose without a draft forward: a step served by lookup alone must not teach
+    the model that draft forwards are free, and a mixed step divides its draft time by the draft rows' longest."""
+    model = OnlineCostModel(warmup_steps=0)
+    lengths = torch.tensor([10, 3])
+
+    def observe(free: list[bool], draft_seconds: float) -> None:
+        model.observe(StepFeedback(torch.arange(2), lengths, lengths, lengths, draft_seconds, 0.2, 22,
+                                   free_rows=torch.tensor(free)))
+
+    observe([True, True], 1e-5)  # lookup only: the few microseconds are bookkeeping, not a forward
+    assert 2 not in model.draft_samples
+    observe([True, False], 0.3)  # row 1 drafted 3 tokens with the model; row 0 took 10 from lookup
+    assert float(model.draft(np.array([2]))[0]) == pytest.approx(0.1)

@@ -78,6 +78,21 @@ def test_rows_served_by_lookup_do_not_run_the_draft():
     assert out.dynspec_stats.draft_forwards == 0 and out.dynspec_stats.draft_tokens > 0
 
 
+def test_lookup_rows_are_capped_by_lookup_tokens_and_draft_rows_by_speculative_tokens():
+    target = tiny_model("qwen2", seed=0)
+    ids, mask = repetitive_prompts([14, 10, 16], seed=5)
+    config = DynSpecConfig(num_speculative_tokens=2, prompt_lookup_max_tokens=7, proposer="hybrid")
+    out = generate(
+        target, ids, mask, assistant_model=perturbed(target, 0.05), custom_generate=hf_dynspec.speculative_loop,
+        dynspec_config=config, dynspec_policy=AlternatingSources(9), return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, generate(target, ids, mask))
+    served = [(free, k) for s in out.dynspec_stats.steps if s.free_rows for free, k in zip(s.free_rows, s.draft_lengths)]
+    assert max(k for free, k in served if not free) == 2  # the policy asked for 9: the draft model stops at 2
+    by_lookup = [k for free, k in served if free]
+    assert max(by_lookup) <= 7 and any(k > 2 for k in by_lookup)
+
+
 def test_hybrid_needs_a_draft_model():
     target = tiny_model("llama", seed=0)
     ids, mask = repetitive_prompts([6], seed=0)

@@ -251,6 +251,15 @@ class ProfileCostModel(PaddedCostModel):
         self.profile = profile
 
 
+def draft_model_forwards(feedback: StepFeedback) -> int:
+    """Draft-model forwards of a step: its longest draft among rows not served by prompt lookup (a hybrid's lookup
+    rows propose without a forward, so a step served by lookup alone times no draft forward at all)."""
+    lengths = feedback.draft_lengths  # [batch]
+    if feedback.free_rows is not None:
+        lengths = torch.where(feedback.free_rows.to(lengths.device), torch.zeros_like(lengths), lengths)
+    return int(lengths.max()) if lengths.numel() else 0
+
+
 class OnlineCostModel(PaddedCostModel):
     """The padded cost model learned from the loop's own timings, with or without a starting profile.
 
@@ -315,7 +324,7 @@ class OnlineCostModel(PaddedCostModel):
         if self.steps_observed <= self.warmup_steps or feedback.batch_size == 0:
             return
         self._add(self.verify_samples, int(feedback.target_tokens), float(feedback.verify_seconds))
-        forwards = int(feedback.draft_lengths.max())
+        forwards = draft_model_forwards(feedback)
         if forwards > 0 and feedback.draft_seconds > 0:
             self._add(self.draft_samples, feedback.batch_size, float(feedback.draft_seconds) / forwards)
         self._refit()

@@ -274,7 +274,8 @@ class _Run:
         free_rows = self.policy.free_rows(request) if free_lengths is not None else None
         caps = torch.full_like(lengths, self.max_draft)
         if free_rows is not None:
-            free_rows = self.decisions.lengths(free_rows.to(lengths.device).long()).bool()
+            free_rows = free_rows.to(lengths.device) & (free_lengths.to(lengths.device) > 0)  # lookup must offer
+            free_rows = self.decisions.lengths(free_rows.long()).bool()
             caps = torch.where(free_rows, self.max_free, caps)
         lengths = self.decisions.lengths(lengths.minimum(caps).minimum(batch.remaining - 1).clamp(min=0))
         budgets = None
