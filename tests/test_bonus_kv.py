@@ -23,8 +23,8 @@ def test_forward_schedule_when_everything_is_accepted(k):
     expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens)
     out = target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, assistant_model=draft,
-        custom_generate=hf_dynspec.speculative_loop, dynspec_config=DynSpecConfig(num_speculative_tokens=k),
-        return_dict_in_generate=True,
+        custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=k, draft_lookahead=0),  # one forward per draft token
     )
     hook.remove()
     assert torch.equal(out.sequences, expected)
@@ -55,7 +55,8 @@ def test_draft_catches_up_after_steps_without_speculation():
     ids, mask = left_padded_prompts([5], seed=3)
     expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     out = hf_dynspec.generate(target, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                              assistant_model=draft, dynspec_policy=Alternate(), return_dict_in_generate=True)
+                              assistant_model=draft, dynspec_policy=Alternate(), return_dict_in_generate=True,
+                              dynspec_config=DynSpecConfig(draft_lookahead=0))
     hook.remove()
     assert torch.equal(out.sequences, expected)
     # Step 3 is the first to draft: the prompt and the tokens of the prefill and three plain steps are caught up in one

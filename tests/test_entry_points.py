@@ -138,7 +138,8 @@ def test_draft_in_another_dtype(models, inputs):
 def test_stats_record_each_step(models, inputs):
     target, draft = models
     out = hf_dynspec.generate(target, **inputs, assistant_model=draft, max_new_tokens=15,
-                              return_dict_in_generate=True, dynspec_config=DynSpecConfig(num_speculative_tokens=3))
+                              return_dict_in_generate=True,
+                              dynspec_config=DynSpecConfig(num_speculative_tokens=3, draft_lookahead=0))
     stats = out.dynspec_stats
     assert stats.num_steps == len(stats.steps) > 0
     for step in stats.steps:

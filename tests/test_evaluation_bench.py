@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import StoppingCriteriaList
 
+from hf_dynspec import DynSpecConfig
 from hf_dynspec.commands import bench as bench_command
 from hf_dynspec.evaluation import bench, methods, plots, report, runner
 from hf_dynspec.evaluation.data import random_token_prompts
@@ -45,6 +46,17 @@ def test_policy_options_reach_the_config():
     tagged = methods.parse_method("dynspec-goodput@slow:6", methods.parse_policy_options(["goodput@slow.window=2"]))
     assert tagged.name == "dynspec-goodput@slow:6" and tagged.dynspec_config.policy == "goodput"
     assert tagged.dynspec_config.policy_options == {"window": 2} and tagged.dynspec_config.num_speculative_tokens == 6
+
+
+def test_method_options_named_like_config_fields_set_the_config():
+    options = methods.parse_policy_options(
+        ["goodput@stepwise.draft_lookahead=0", "goodput@stepwise.window=3", "hybrid@wide.prompt_lookup_max_tokens=16"]
+    )
+    stepwise = methods.parse_method("dynspec-goodput@stepwise", options).dynspec_config
+    assert stepwise.draft_lookahead == 0 and stepwise.policy_options == {"window": 3}
+    wide = methods.parse_method("dynspec-hybrid@wide:3", options).dynspec_config
+    assert (wide.proposer, wide.prompt_lookup_max_tokens, wide.num_speculative_tokens) == ("hybrid", 16, 3)
+    assert methods.parse_method("dynspec-goodput", options).dynspec_config.draft_lookahead == DynSpecConfig().draft_lookahead
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ NON_DEFAULT = {
     "prompt_lookup_max_ngram": 5,
     "prompt_lookup_min_ngram": 2,
     "prompt_lookup_max_tokens": 6,
+    "draft_lookahead": 0,
     "compact_min_holes": 9,
     "compact_hole_fraction": 0.5,
     "collect_step_stats": False,

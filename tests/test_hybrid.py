@@ -81,7 +81,7 @@ def test_rows_served_by_lookup_do_not_run_the_draft():
 def test_lookup_rows_are_capped_by_lookup_tokens_and_draft_rows_by_speculative_tokens():
     target = tiny_model("qwen2", seed=0)
     ids, mask = repetitive_prompts([14, 10, 16], seed=5)
-    config = DynSpecConfig(num_speculative_tokens=2, prompt_lookup_max_tokens=7, proposer="hybrid")
+    config = DynSpecConfig(num_speculative_tokens=2, prompt_lookup_max_tokens=7, proposer="hybrid", draft_lookahead=0)
     out = generate(
         target, ids, mask, assistant_model=perturbed(target, 0.05), custom_generate=hf_dynspec.speculative_loop,
         dynspec_config=config, dynspec_policy=AlternatingSources(9), return_dict_in_generate=True,

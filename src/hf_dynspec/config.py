@@ -71,6 +71,13 @@ class DynSpecConfig:
         metadata={"help": "Hybrid proposer: most prompt-lookup tokens a row may propose in one step. They cost no "
                   "draft forward, only verify width; `num_speculative_tokens` caps the draft model's tokens."},
     )
+    draft_lookahead: int = field(
+        default=8,
+        metadata={"help": "Draft model: prompt-lookup guesses of the draft's next tokens fed along with each draft "
+                  "forward, shared among the rows still drafting. Where the draft's own tokens match the guess, one "
+                  "forward yields several draft tokens; the draft tokens are the same as without (lossless), only "
+                  "draft forwards are saved. 0 disables; off with an early stop."},
+    )
     compact_min_holes: int = field(
         default=32,
         metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
@@ -91,6 +98,7 @@ class DynSpecConfig:
         self._check_int("prompt_lookup_max_ngram", minimum=1)
         self._check_int("prompt_lookup_min_ngram", minimum=1)
         self._check_int("prompt_lookup_max_tokens", minimum=1)
+        self._check_int("draft_lookahead", minimum=0)
         self._check_int("compact_min_holes", minimum=1)
         if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
             raise ValueError(

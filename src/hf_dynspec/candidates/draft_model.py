@@ -10,9 +10,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..cache import RaggedCache, check_cache_supported
 from ..config import DynSpecConfig
 from ..placement import Placement
-from ..processors import process_logits
+from ..processors import process_path_logits
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
+from .prompt_lookup import lookup_continuation
 
 MAX_INLINE_TAIL = 2
 """Backlogs up to this width (the newest token, plus the last draft token after a bonus) ride in the first draft
@@ -82,25 +83,110 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
+        """Each row's draft chain, `lengths[b]` tokens (fewer where `early_stop` ends it).
+
+        With `DynSpecConfig.draft_lookahead`, a forward also feeds, after each row's newest token, a prompt-lookup
+        guess of the draft's next tokens (`_guesses`); as far as the draft's own choices match the guess, one forward
+        yields several draft tokens. The chain is the one drafting token by token would give (greedy: the same tokens;
+        sampling: the same draws from the same `q`); only forwards are saved. Tokens a forward yields this way may
+        run past the row's length, up to `prompt_lookup_max_tokens` (`_reach`): they cost no forward, only verify
+        width. Lookahead is off with an early stop, which judges every row at the same position.
+        """
         lengths = lengths.clone()
-        ids, mask, positions = self._unseen_tail(batch)
-        tokens, probs = [], []
-        for position in range(int(lengths.max())):
-            scores = self._forward(ids, mask, positions)  # [batch, vocab]
-            drafts = torch.stack(tokens, dim=1) if tokens else ids.new_zeros((batch.batch_size, 0))
-            scores = process_logits(self.logits_processor, batch, drafts, scores.unsqueeze(1), position).squeeze(1)
-            token, token_probs = self._select(scores)
-            tokens.append(token)
-            probs.append(token_probs)
-            if early_stop is not None:
-                lengths = self._apply_early_stop(early_stop, position, token, token_probs, scores, lengths)
-            if position + 1 >= int(lengths.max()):
+        ids, mask, positions = self._unseen_tail(batch)  # [batch, tail]
+        lookahead = self.config.draft_lookahead if early_stop is None else 0
+        reach = self._reach(batch, lengths, lookahead)  # [batch]
+        chain = _Chain(batch.batch_size, int(reach.max()) if reach.numel() else 0, lengths.device)
+        fed: list[torch.LongTensor] = []  # per forward: [batch, columns] node of each column after the tail, or -1
+        while bool((chain.done < lengths).any()):
+            guesses, guessed = self._guesses(batch, chain, lengths, reach, lookahead)  # [batch, g]
+            offsets = torch.arange(1, guesses.shape[1] + 1, device=positions.device)
+            scores = self._forward(
+                torch.cat([ids, guesses], 1), torch.cat([mask, guessed], 1),
+                torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guesses.shape[1],
+            )  # [batch, 1 + g, vocab]
+            before = chain.done.clone()
+            lengths = self._walk(batch, chain, scores, (guesses, guessed), lengths, reach, early_stop)
+            matched = torch.arange(guesses.shape[1], device=lengths.device) < (chain.done - before - 1).unsqueeze(1)
+            self.ragged.set_last(guessed * matched)  # guesses past a row's first mismatch become holes now
+            nodes = torch.where(guessed.bool() & matched, before.unsqueeze(1) + offsets, -1)  # [batch, g]
+            anchors = torch.where(mask[:, -1:].bool(), before.unsqueeze(1), -1)  # the newest draft token fed
+            fed.append(nodes if not fed else torch.cat([anchors, nodes], 1))
+            ids, mask, positions = chain.anchors(batch, lengths)
+            chain.forwards += 1
+        self._fed_nodes = torch.cat(fed, 1) if fed else lengths.new_zeros((batch.batch_size, 0))
+        return chain.proposal()
+
+    def _reach(self, batch: TokenBatch, lengths: torch.LongTensor, lookahead: int) -> torch.LongTensor:
+        """`[batch]` most draft tokens each row may end with: its length, or with lookahead up to
+        `prompt_lookup_max_tokens` (never past the row's remaining budget) for rows that draft at all."""
+        if not lookahead:
+            return lengths
+        room = (batch.remaining.to(lengths.device) - 1).clamp(min=0, max=self.config.prompt_lookup_max_tokens)
+        return torch.where(lengths > 0, lengths.maximum(room), lengths)
+
+    def _guesses(
+        self, batch: TokenBatch, chain: _Chain, lengths: torch.LongTensor, reach: torch.LongTensor, lookahead: int
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """`[batch, g]` prompt-lookup guesses of each row's next draft tokens (all but its last, which is never fed)
+        and their mask; width 0 without lookahead.
+
+        A forward is saved only when every drafting row's guess holds, while each guess widens the forward, so the
+        `lookahead` guess tokens of a forward are shared among the rows that want them: all to one row at batch
+        size 1 (where a wider forward costs little), none when more rows draft than there are guess tokens."""
+        wanted = torch.where(chain.done < lengths, reach - chain.done - 1, 0).clamp(min=0)  # [batch]
+        share = lookahead // max(1, int((wanted > 0).sum()))
+        wanted = wanted.clamp(max=share)
+        found = [
+            lookup_continuation(
+                torch.cat([batch.real_tokens(row), chain.tokens[row, : int(chain.done[row])]]),
+                self.config.prompt_lookup_max_ngram, self.config.prompt_lookup_min_ngram, int(wanted[row]),
+            )
+            if int(wanted[row]) > 0 else chain.tokens.new_zeros(0)
+            for row in range(batch.batch_size)
+        ]
+        width = max((f.shape[0] for f in found), default=0)
+        guesses = chain.tokens.new_full((batch.batch_size, width), self.pad_id)
+        guessed = torch.zeros_like(guesses)
+        for row, continuation in enumerate(found):
+            guesses[row, : continuation.shape[0]] = continuation
+            guessed[row, : continuation.shape[0]] = 1
+        return guesses, guessed
+
+    def _walk(
+        self,
+        batch: TokenBatch,
+        chain: _Chain,
+        scores: torch.Tensor,
+        guess: tuple[torch.LongTensor, torch.LongTensor],
+        lengths: torch.LongTensor,
+        reach: torch.LongTensor,
+        early_stop: EarlyStop | None,
+    ) -> torch.LongTensor:
+        """Draw draft tokens from one forward's `scores` (`[batch, 1 + g, vocab]`): position 0 follows each row's newest
+        token, position `j` follows guess `j - 1` (`guess`: tokens and mask, `[batch, g]`), valid while every earlier
+        guess matched the draw. Returns `lengths`, shortened where `early_stop` ends a row."""
+        guesses, guessed = guess
+        walking = torch.ones_like(chain.done, dtype=torch.bool)  # [batch] every guess so far matched
+        for j in range(scores.shape[1]):
+            if j == 0:
+                active = walking & (chain.done < lengths)
+            else:  # guesses exist only within each row's reach
+                active = walking & (chain.done < reach) & guessed[:, j - 1].bool()
+            if not bool(active.any()):
                 break
-            ids, mask = token.unsqueeze(1), torch.ones_like(token).unsqueeze(1)
-            positions = (batch.num_real + position).unsqueeze(1)
-        fed = torch.arange(1, len(tokens), device=lengths.device)  # every draft token but the last: nodes 1 .. k - 1
-        self._fed_nodes = fed.unsqueeze(0).expand(batch.batch_size, -1)
-        return self._proposal(tokens, probs, lengths, batch)
+            rows = torch.arange(batch.batch_size, device=lengths.device) if early_stop else active.nonzero().squeeze(1)
+            processed = process_path_logits(
+                self.logits_processor, batch, rows, chain.tokens[rows], chain.done[rows], scores[rows, j]
+            )  # [rows, vocab]
+            token, token_probs = self._select(processed)
+            if early_stop is not None:  # rows draft in step: every forward is one position
+                lengths = self._apply_early_stop(early_stop, chain.forwards, token, token_probs, processed, lengths)
+                token, token_probs = token[active], token_probs[active] if token_probs is not None else None
+            chain.append(active, token, token_probs)
+            if j < guesses.shape[1]:
+                walking = active & (chain.last() == guesses[:, j])
+        return lengths
 
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         """Draft-cache columns of accepted nodes stay, the other fed nodes become holes; the tail is now seen."""
@@ -142,10 +228,13 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.catchup_seconds, self.catchup_tokens = self.placement.clock() - start, ids[:, :-1].numel()
         return ids[:, -1:], mask[:, -1:], positions[:, -1:]
 
-    def _forward(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor) -> torch.Tensor:
-        """One draft forward over `[batch, width]` new tokens; returns float32 logits `[batch, vocab]` of the last."""
+    def _forward(
+        self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, keep: int = 1
+    ) -> torch.Tensor:
+        """One draft forward over `[batch, width]` new tokens; returns float32 logits `[batch, keep, vocab]` of the
+        last `keep`."""
         self.forwards += 1
-        return self.placement.forward(self.draft_model, self.ragged, ids, mask, positions, 1)[:, -1]
+        return self.placement.forward(self.draft_model, self.ragged, ids, mask, positions, keep)
 
     def _select(self, scores: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Pick the draft token from processed scores `[batch, vocab]`; also return q when sampling."""
@@ -170,13 +259,6 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             return lengths
         stop = ~keep_going.to(lengths.device) & (lengths > position + 1)
         return torch.where(stop, torch.full_like(lengths, position + 1), lengths)
-
-    def _proposal(self, tokens: list, probs: list, lengths: torch.LongTensor, batch: TokenBatch) -> Proposal:
-        if not tokens:
-            empty = batch.tokens.new_zeros((batch.batch_size, 0))
-            return Proposal(empty, torch.zeros_like(lengths), None)
-        stacked_probs = torch.stack(probs, dim=1) if self.do_sample else None  # [batch, k, vocab]
-        return Proposal(torch.stack(tokens, dim=1), lengths.clamp(max=len(tokens)), stacked_probs)
 
     # ---- transformers CandidateGenerator interface (batch size 1) -------------------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -218,3 +300,42 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         matches = (new_tokens[:k] == proposal.tokens[0, :k]).long().cumprod(0).sum()
         kept = torch.arange(proposal.max_length + 1, device=current.device) <= matches  # [1 + k] root and accepted
         self.commit(batch, proposal, kept.unsqueeze(0))
+
+
+class _Chain:
+    """The draft tokens of one `propose`: `tokens` `[batch, longest]`, `done` `[batch]` drawn so far per row, and
+    `probs` `[batch, longest, vocab]` (the `q` of each draw, when sampling)."""
+
+    def __init__(self, num_rows: int, longest: int, device: torch.device) -> None:
+        self.tokens = torch.zeros((num_rows, longest), dtype=torch.long, device=device)
+        self.done = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.probs: torch.Tensor | None = None
+        self.forwards = 0  # draft forwards of this proposal so far
+
+    def append(self, rows: torch.BoolTensor, token: torch.LongTensor, probs: torch.Tensor | None) -> None:
+        """Write one token (`[active]`, with its `q` `[active, vocab]`) after the tokens of each row in `rows`."""
+        index = rows.nonzero().squeeze(1)
+        self.tokens[index, self.done[index]] = token
+        if probs is not None:
+            if self.probs is None:
+                self.probs = probs.new_zeros((*self.tokens.shape, probs.shape[-1]))
+            self.probs[index, self.done[index]] = probs
+        self.done = self.done + rows.long()
+
+    def last(self) -> torch.LongTensor:
+        """`[batch]` each row's newest draft token (0 for rows without one)."""
+        return self.tokens.gather(1, (self.done - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+
+    def anchors(
+        self, batch: TokenBatch, lengths: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        """Ids, mask and positions (`[batch, 1]`) of each row's newest draft token, to feed next; masked for rows
+        that have drawn all their tokens."""
+        drafting = (self.done < lengths) & (self.done > 0)
+        positions = (batch.num_real + self.done - 1).unsqueeze(1)
+        return self.last().unsqueeze(1), drafting.long().unsqueeze(1), positions
+
+    def proposal(self) -> Proposal:
+        width = int(self.done.max()) if self.done.numel() else 0
+        probs = self.probs[:, :width] if self.probs is not None else None
+        return Proposal(self.tokens[:, :width], self.done.clone(), probs)

@@ -74,7 +74,7 @@ class DraftTreeProposer(DraftModelProposer):
         rows = torch.arange(batch.batch_size, device=lengths.device)
         no_drafts = ids.new_zeros((batch.batch_size, 0))
         root_scores = process_path_logits(
-            self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), self._forward(ids, mask, positions)
+            self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), self._forward(ids, mask, positions)[:, -1]
         )  # [batch, vocab]
         # Sampling only: the distributions children are drawn from, [batch, 1, vocab] at the root, then
         # [batch, width, vocab] per depth; `stored` counts them (a candidate's `q_index` points into them).

@@ -14,7 +14,9 @@
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
-takes its options from `policy_options["goodput@profile"]`.
+takes its options from `policy_options["goodput@profile"]` (`dynspec-hybrid@x` from `policy_options["hybrid@x"]`).
+Options named like a `DynSpecConfig` field (`draft_lookahead`, `prompt_lookup_max_tokens`, ...) set that field of
+the method's config instead: `goodput@stepwise.draft_lookahead=0` drafts token by token.
 
 Any method that uses the draft model may end in `/<variant>` to run with a variant of the bench's draft instead
 (`fp32`, `bf16`, `8bit`, `4bit`, see `models.VARIANTS`): `dynspec-goodput/4bit` and `dynspec-goodput/fp32` compare a
@@ -103,8 +105,10 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
         config = DynSpecConfig(num_speculative_tokens=tokens, policy="static")
         return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": tokens}, dynspec_config=config)
-    if base == "dynspec-hybrid":
-        settings = {"policy": "goodput", "proposer": "hybrid", "policy_options": dict((policy_options or {}).get("hybrid", {}))}
+    if base.partition("@")[0] == "dynspec-hybrid":
+        tag = base.partition("@")[2]
+        options, fields = _config_fields(dict((policy_options or {}).get(f"hybrid@{tag}" if tag else "hybrid", {})))
+        settings = {"policy": "goodput", "proposer": "hybrid", "policy_options": options, **fields}
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
@@ -113,8 +117,8 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     if base.startswith("dynspec-"):
         policy, _, tag = base[len("dynspec-") :].partition("@")
         policy = POLICY_ALIASES.get(policy, policy)
-        options = dict((policy_options or {}).get(f"{policy}@{tag}" if tag else policy, {}))
-        settings: dict[str, Any] = {"policy": policy, "policy_options": options}
+        options, fields = _config_fields(dict((policy_options or {}).get(f"{policy}@{tag}" if tag else policy, {})))
+        settings: dict[str, Any] = {"policy": policy, "policy_options": options, **fields}
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
         elif policy == "batch_table" and isinstance(options.get("num_speculative_tokens"), int):
@@ -211,3 +215,11 @@ def table_policy_options(path: str | Path, acceptance: float = 0.7, num_speculat
             f"{path} is neither a vLLM speculative config (with {SCHEDULE_KEY!r}) nor a calibration profile: {error}"
         ) from error
     return vllm_speculative_config(profile, acceptance, num_speculative_tokens, max_batch_size=256)
+
+
+def _config_fields(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a method's options into policy options and `DynSpecConfig` fields (all but the policy's own and
+    `num_speculative_tokens`, which the method's `:K` sets and `batch_table` takes as an option)."""
+    names = {f.name for f in dataclasses.fields(DynSpecConfig)} - {"policy", "policy_options", "num_speculative_tokens"}
+    fields = {key: options.pop(key) for key in list(options) if key in names}
+    return options, fields

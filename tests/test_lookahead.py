@@ -1,0 +1,117 @@
+"""Draft lookahead: prompt-lookup guesses fed along with each draft forward give the same chain in fewer forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturbed, tiny_model
+from test_hybrid import repetitive_prompts
+from test_sampling import VOCAB, assert_converges, exact_joint, small_vocab_pair  # noqa: F401 (fixture)
+from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.draft_model import DraftModelProposer
+from hf_dynspec.placement import Placement
+from hf_dynspec.sequences import TokenBatch
+
+
+def speculate(target, draft, ids, mask, **config):
+    return target.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32, assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop, dynspec_config=DynSpecConfig(**config),
+        return_dict_in_generate=True,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("lengths", [[11], [6, 13, 9], [5, 8, 12, 7, 10, 14]])
+def test_lookahead_drafts_the_same_chain_in_fewer_forwards(family, lengths):
+    target = tiny_model(family, seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = repetitive_prompts(lengths, seed=len(lengths))
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32)
+    stepwise = speculate(target, draft, ids, mask, num_speculative_tokens=6, compact_min_holes=4, draft_lookahead=0)
+    ahead = speculate(target, draft, ids, mask, num_speculative_tokens=6, compact_min_holes=4,
+                      draft_lookahead=5 * len(lengths), prompt_lookup_max_tokens=6)  # no tokens past the length
+    assert torch.equal(ahead.sequences, plain) and torch.equal(stepwise.sequences, plain)
+    # the same proposals, step by step, so the same acceptance ...
+    assert [s.draft_lengths for s in ahead.dynspec_stats.steps] == [s.draft_lengths for s in stepwise.dynspec_stats.steps]
+    assert [s.accepted for s in ahead.dynspec_stats.steps] == [s.accepted for s in stepwise.dynspec_stats.steps]
+    # ... for fewer draft forwards: a forward serves every row, so a batch saves one when all its rows' guesses hit
+    assert ahead.dynspec_stats.draft_forwards <= stepwise.dynspec_stats.draft_forwards
+    if len(lengths) == 1:
+        assert ahead.dynspec_stats.draft_forwards < stepwise.dynspec_stats.draft_forwards
+
+
+def test_tokens_a_forward_yields_may_run_past_the_length_but_never_cost_a_forward():
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = repetitive_prompts([11], seed=0)
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+    out = target.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40, assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=2, draft_lookahead=6, prompt_lookup_max_tokens=7),
+    )
+    assert torch.equal(out.sequences, plain)
+    steps = out.dynspec_stats.steps
+    assert all(s.requested_lengths[0] <= 2 and s.draft_lengths[0] <= 7 for s in steps)
+    assert any(s.draft_lengths[0] > 2 for s in steps)  # guesses carried some drafts past their length ...
+    assert out.dynspec_stats.draft_forwards < sum(s.requested_lengths[0] for s in steps)  # ... for no extra forward
+
+
+@pytest.mark.parametrize("policy", ["goodput", "static"])
+def test_lookahead_keeps_greedy_identity_with_eos_and_compaction(policy):
+    target = tiny_model("llama", seed=1, eos_token_id=4)
+    draft = perturbed(target, scale=0.1, seed=3)
+    ids, mask = repetitive_prompts([9, 15, 6, 12], seed=7)
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32)
+    out = speculate(target, draft, ids, mask, policy=policy, num_speculative_tokens=5, draft_lookahead=4,
+                    compact_min_holes=2, compact_hole_fraction=0.05)
+    assert torch.equal(out.sequences, plain)
+
+
+def test_lookahead_is_off_with_an_early_stop():
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = repetitive_prompts([11, 7], seed=2)
+    config = dict(policy="confidence", num_speculative_tokens=6, policy_options={"threshold": 0.0})
+    with_lookahead = speculate(target, draft, ids, mask, draft_lookahead=5, **config)
+    without = speculate(target, draft, ids, mask, draft_lookahead=0, **config)
+    assert with_lookahead.dynspec_stats.draft_forwards == without.dynspec_stats.draft_forwards
+    assert torch.equal(with_lookahead.sequences, without.sequences)
+
+
+def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # noqa: F811
+    """Sampled chains of two tokens: rows whose first draw matches the guess take the second from the guess's
+    column, the others from a second forward; together they must follow the draft's own distribution exactly."""
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([3, 1, 3] * 3 + [3, 1])  # lookup guesses 3, which the draft draws with q = 0.66
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(5)])
+    with torch.no_grad():
+        joint = exact_joint(draft, prompt, processors).reshape(VOCAB**2, VOCAB).sum(dim=1)  # [VOCAB ** 2] two tokens
+    placement = Placement.of(torch.device("cpu"), target, draft)
+    used_guess = []
+
+    def draw(n: int) -> torch.Tensor:
+        config = DynSpecConfig(num_speculative_tokens=2, draft_lookahead=n)  # one guess token for each of n rows
+        proposer = DraftModelProposer(draft, processors, GenerationConfig(do_sample=True), placement, config)
+        tokens = torch.cat([prompt.expand(n, -1), torch.zeros((n, 2), dtype=torch.long)], dim=1)
+        batch = TokenBatch(tokens, prompt.shape[0], torch.full((n,), prompt.shape[0]), torch.zeros(n, dtype=torch.long), 0)
+        proposer.start(batch)
+        with torch.no_grad():
+            proposal = proposer.propose(batch, torch.full((n,), 2))
+        assert proposal.lengths.eq(2).all()
+        used_guess.append(proposer._fed_nodes[:, 0] >= 0)  # [n] the guess's column holds the first draft token
+        return proposal.tokens[:, 0] * VOCAB + proposal.tokens[:, 1]
+
+    torch.manual_seed(0)
+    assert_converges(draw, joint, sizes=(200, 2_000, 20_000))
+    hits = torch.cat(used_guess)
+    assert 0.05 < hits.double().mean() < 0.95  # both paths ran, on many rows
+
+
+def test_negative_lookahead_is_refused():
+    with pytest.raises(ValueError, match="`draft_lookahead` must be an integer >= 0"):
+        DynSpecConfig(draft_lookahead=-1)
