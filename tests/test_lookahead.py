@@ -115,3 +115,12 @@ def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # no
 def test_negative_lookahead_is_refused():
     with pytest.raises(ValueError, match="`draft_lookahead` must be an integer >= 0"):
         DynSpecConfig(draft_lookahead=-1)
+
+
+def test_policies_without_an_early_stop_leave_lookahead_on():
+    from hf_dynspec.policies import GoodputPolicy, GoodputSettings, build_policy
+
+    assert not GoodputPolicy().stops_early  # goodput's stop is opt-in: without it, drafts ride lookup guesses
+    assert GoodputPolicy(GoodputSettings(early_stop="marginal")).stops_early
+    assert build_policy(DynSpecConfig(policy="confidence")).stops_early
+    assert not build_policy(DynSpecConfig(policy="static")).stops_early

@@ -286,7 +286,7 @@ class _Run:
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
-        if type(self.policy).continue_drafting is DraftLengthPolicy.continue_drafting:
+        if not self.policy.stops_early:
             return None
         return lambda position, probs: self.policy.continue_drafting(row_ids, position, probs)
 

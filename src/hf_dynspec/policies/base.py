@@ -106,6 +106,12 @@ class DraftLengthPolicy(ABC):
         """
         return torch.where(lengths > 0, request.max_tree_nodes, 0)
 
+    @property
+    def stops_early(self) -> bool:
+        """Whether `continue_drafting` may stop rows (the loop then judges every row at each draft position, and
+        draft lookahead is off). True when a subclass overrides `continue_drafting`."""
+        return type(self).continue_drafting is not DraftLengthPolicy.continue_drafting
+
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:

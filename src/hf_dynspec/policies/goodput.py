@@ -380,6 +380,10 @@ class GoodputPolicy(DraftLengthPolicy):
             budget = int(nodes[costs <= limit].max())
         return torch.where(lengths > 0, budget, 0)
 
+    @property
+    def stops_early(self) -> bool:
+        return self.stopper is not None
+
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
