@@ -68,8 +68,9 @@ class DynSpecConfig:
     )
     prompt_lookup_max_tokens: int = field(
         default=10,
-        metadata={"help": "Hybrid proposer: most prompt-lookup tokens a row may propose in one step. They cost no "
-                  "draft forward, only verify width; `num_speculative_tokens` caps the draft model's tokens."},
+        metadata={"help": "Most tokens a row may propose in one step from prompt lookup: a hybrid proposer's lookup "
+                  "rows, and draft tokens that lookahead yields past the row's length. They cost no draft forward, "
+                  "only verify width; `num_speculative_tokens` caps the tokens each drafted with a forward of its own."},
     )
     draft_lookahead: int = field(
         default=8,
