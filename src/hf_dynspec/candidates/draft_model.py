@@ -136,6 +136,8 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         size 1 (where a wider forward costs little), none when more rows draft than there are guess tokens."""
         wanted = torch.where(chain.done < lengths, reach - chain.done - 1, 0).clamp(min=0)  # [batch]
         share = lookahead // max(1, int((wanted > 0).sum()))
+        if share == 0:
+            return chain.tokens.new_zeros((batch.batch_size, 0)), chain.tokens.new_zeros((batch.batch_size, 0))
         wanted = wanted.clamp(max=share)
         found = [
             lookup_continuation(

@@ -73,8 +73,9 @@ class DraftTreeProposer(DraftModelProposer):
             return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths), None)
         rows = torch.arange(batch.batch_size, device=lengths.device)
         no_drafts = ids.new_zeros((batch.batch_size, 0))
+        root_logits = self._forward(ids, mask, positions)[:, -1]  # [batch, vocab]
         root_scores = process_path_logits(
-            self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), self._forward(ids, mask, positions)[:, -1]
+            self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), root_logits
         )  # [batch, vocab]
         # Sampling only: the distributions children are drawn from, [batch, 1, vocab] at the root, then
         # [batch, width, vocab] per depth; `stored` counts them (a candidate's `q_index` points into them).

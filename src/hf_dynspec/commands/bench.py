@@ -95,7 +95,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--draft", default=DEFAULT_DRAFT,
                         help="Registry name, local path or Hub id; a registry name may end in a variant: "
                              + ", ".join("@" + v for v in VARIANTS) + f" (e.g. {DEFAULT_DRAFT}@8bit).")
-    parser.add_argument("--dataset", help="humaneval, sharegpt, codeedit (ShareGPT code-edit requests), mixed or a path to a .jsonl file.")
+    parser.add_argument("--dataset",
+                        help="humaneval, sharegpt, codeedit (ShareGPT code-edit requests), mixed or a .jsonl path.")
     parser.add_argument("--num-prompts", type=int, help="Prompts per batch size (first N of the dataset).")
     parser.add_argument("--batch-size-prompts", type=_size_map, default={},
                         help="Fewer prompts at some batch sizes, e.g. 1=4 (batch size 1 is slowest per prompt).")
