@@ -251,12 +251,11 @@ class ProfileCostModel(PaddedCostModel):
         self.profile = profile
 
 
-def draft_model_forwards(feedback: StepFeedback) -> int:
-    """Draft-model forwards of a step: its longest draft among rows not served by prompt lookup (a hybrid's lookup
-    rows propose without a forward, so a step served by lookup alone times no draft forward at all)."""
-    lengths = feedback.draft_lengths  # [batch]
-    if feedback.free_rows is not None:
-        lengths = torch.where(feedback.free_rows.to(lengths.device), torch.zeros_like(lengths), lengths)
+def draft_model_forwards(lengths: torch.LongTensor, free_rows: torch.BoolTensor | None) -> int:
+    """Draft-model forwards of a step with draft `lengths` (`[batch]`): its longest draft among rows not served by
+    prompt lookup (`free_rows`, a hybrid's lookup rows propose without a forward)."""
+    if free_rows is not None:
+        lengths = torch.where(free_rows.to(lengths.device), torch.zeros_like(lengths), lengths)
     return int(lengths.max()) if lengths.numel() else 0
 
 
@@ -324,7 +323,7 @@ class OnlineCostModel(PaddedCostModel):
         if self.steps_observed <= self.warmup_steps or feedback.batch_size == 0:
             return
         self._add(self.verify_samples, int(feedback.target_tokens), float(feedback.verify_seconds))
-        forwards = draft_model_forwards(feedback)
+        forwards = draft_model_forwards(feedback.draft_lengths, feedback.free_rows)
         if forwards > 0 and feedback.draft_seconds > 0:
             self._add(self.draft_samples, feedback.batch_size, float(feedback.draft_seconds) / forwards)
         self._refit()

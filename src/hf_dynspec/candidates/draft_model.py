@@ -13,7 +13,7 @@ from ..placement import Placement
 from ..processors import process_path_logits
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
-from .prompt_lookup import lookup_continuation
+from .prompt_lookup import PromptLookupProposer, lookup_continuation
 
 MAX_INLINE_TAIL = 2
 """Backlogs up to this width (the newest token, plus the last draft token after a bonus) ride in the first draft
@@ -147,13 +147,9 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             if int(wanted[row]) > 0 else chain.tokens.new_zeros(0)
             for row in range(batch.batch_size)
         ]
-        width = max((f.shape[0] for f in found), default=0)
-        guesses = chain.tokens.new_full((batch.batch_size, width), self.pad_id)
-        guessed = torch.zeros_like(guesses)
-        for row, continuation in enumerate(found):
-            guesses[row, : continuation.shape[0]] = continuation
-            guessed[row, : continuation.shape[0]] = 1
-        return guesses, guessed
+        padded = PromptLookupProposer.proposal(batch, found)  # [batch, g] tokens and each row's count
+        guessed = torch.arange(padded.max_length, device=padded.lengths.device) < padded.lengths.unsqueeze(1)
+        return padded.tokens, guessed.long()
 
     def _walk(
         self,

@@ -36,6 +36,7 @@ from ..estimators import (
     check_int,
     check_open_unit,
     check_positive,
+    draft_model_forwards,
     expected_tokens,
 )
 from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
@@ -449,8 +450,7 @@ class GoodputPolicy(DraftLengthPolicy):
         Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
         plain step (so a first exploration is not mistaken for free).
         """
-        by_draft = lengths if free is None else torch.where(free, torch.zeros_like(lengths), lengths)
-        forwards = int(by_draft.max()) if by_draft.numel() else 0
+        forwards = draft_model_forwards(lengths, free)
         model = self.cost_model
         if not isinstance(model, PaddedCostModel):
             return float(model.step_seconds(batch, lengths)) + (catchup if forwards else 0.0)
