@@ -79,6 +79,15 @@ class DynSpecConfig:
                   "forward yields several draft tokens; the draft tokens are the same as without (lossless), only "
                   "draft forwards are saved. 0 disables; off with an early stop."},
     )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Draft model: propose only among the first this many token ids (a BPE vocabulary lists its "
+                  "tokens roughly from most to least frequent), the batch's prompt tokens and the EOS ids, so the "
+                  "draft's output layer reads that many rows instead of the whole vocabulary. The target still "
+                  "decides every token (lossless); only acceptance can drop. None: the whole vocabulary (also used "
+                  "when this is at least half of it, or when the draft's logits are not a linear map of its last "
+                  "hidden state)."},
+    )
     compact_min_holes: int = field(
         default=32,
         metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
@@ -101,6 +110,8 @@ class DynSpecConfig:
         self._check_int("prompt_lookup_max_tokens", minimum=1)
         self._check_int("draft_lookahead", minimum=0)
         self._check_int("compact_min_holes", minimum=1)
+        if self.draft_vocab_size is not None:
+            self._check_int("draft_vocab_size", minimum=1)
         if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
             raise ValueError(
                 f"`prompt_lookup_min_ngram` ({self.prompt_lookup_min_ngram}) must not exceed "

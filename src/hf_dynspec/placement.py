@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import RaggedCache
+from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask
 
 
@@ -118,6 +119,7 @@ class Placement:
         positions: torch.LongTensor,
         keep: int,
         visibility: torch.BoolTensor | None = None,
+        head: DraftHead | None = None,
     ) -> torch.Tensor:
         """One forward of `model` (target or draft) over new tokens, extending its ragged cache.
 
@@ -130,6 +132,7 @@ class Placement:
             keep: how many trailing positions need logits.
             visibility: `[batch, width, length + width]` what each new token may see (token trees, see
                 `TokenTree.visibility`), passed as a 4D mask; `None` for a causal block (2D mask).
+            head: the draft's output layer over part of the vocabulary (`-inf` elsewhere); `None`: the model's own.
 
         Returns:
             `[batch, keep, vocab]` float32 logits on the loop device.
@@ -139,14 +142,17 @@ class Placement:
         attention_mask = cache.begin(query_mask)
         if visibility is not None:
             attention_mask = block_attention_mask(cache_valid, visibility.to(cache_valid.device), model.dtype)
-        output = model(
+        inputs = dict(
             input_ids=ids.to(device, non_blocking=True),
             attention_mask=attention_mask.to(device, non_blocking=True),
             position_ids=positions.to(device, non_blocking=True),
             past_key_values=cache.cache,
             use_cache=True,
-            **logits_kwargs(model, keep),
         )
+        if head is not None:
+            hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
+            return self.logits_to_loop(head.logits(hidden))
+        output = model(**inputs, **logits_kwargs(model, keep))
         return self.logits_to_loop(output.logits[:, -keep:])
 
     def logits_to_loop(self, logits: torch.Tensor) -> torch.Tensor:

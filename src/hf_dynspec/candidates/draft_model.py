@@ -13,6 +13,7 @@ from ..placement import Placement
 from ..processors import process_path_logits
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
+from .draft_head import DraftHead
 from .prompt_lookup import PromptLookupProposer, lookup_continuation
 
 MAX_INLINE_TAIL = 2
@@ -50,6 +51,9 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.do_sample = bool(generation_config.do_sample)
         self.placement = placement
         self.config = dynspec_config or DynSpecConfig()
+        eos = generation_config.eos_token_id
+        self.eos_ids: list[int] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.head: DraftHead | None = None  # the draft's output layer over part of the vocabulary, per call
         self.pad_id = 0
         self.ragged: RaggedCache | None = None
         self.num_seen: torch.LongTensor | None = None  # [batch] real tokens in the draft cache
@@ -66,6 +70,8 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         empty = torch.zeros((batch.batch_size, 0), dtype=torch.long, device=batch.tokens.device)
         self.ragged = RaggedCache(cache, empty, self.config.compact_min_holes, self.config.compact_hole_fraction)
         self.num_seen = torch.zeros_like(batch.num_real)
+        prompts = batch.tokens[:, : batch.prompt_width]  # [batch, prompt_width]
+        self.head = DraftHead.for_batch(self.draft_model, self.config.draft_vocab_size, prompts, self.eos_ids)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -205,6 +211,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     def release(self) -> None:
         self.ragged = None
         self.num_seen = None
+        self.head = None
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     def _unseen_tail(self, batch: TokenBatch) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
@@ -232,7 +239,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         """One draft forward over `[batch, width]` new tokens; returns float32 logits `[batch, keep, vocab]` of the
         last `keep`."""
         self.forwards += 1
-        return self.placement.forward(self.draft_model, self.ragged, ids, mask, positions, keep)
+        return self.placement.forward(self.draft_model, self.ragged, ids, mask, positions, keep, head=self.head)
 
     def _select(self, scores: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Pick the draft token from processed scores `[batch, vocab]`; also return q when sampling."""

@@ -169,7 +169,7 @@ class DraftTreeProposer(DraftModelProposer):
         self.forwards += 1
         logits = self.placement.forward(
             self.draft_model, self.ragged, candidates.tokens[rows, frontier], active.long(), positions, width,
-            visibility,
+            visibility, head=self.head,
         )  # [batch, width, vocab]
         scores = process_path_logits(
             self.logits_processor,
