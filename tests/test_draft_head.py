@@ -42,11 +42,11 @@ def test_kept_ids_get_the_models_own_logits_and_the_rest_minus_infinity(family):
     assert torch.isneginf(narrowed[..., ~kept]).all()
 
 
-def test_no_head_when_it_would_keep_most_of_the_vocabulary_or_is_not_asked_for(llama):
+def test_no_head_when_it_would_keep_the_whole_vocabulary_or_is_not_asked_for(llama):
     prompts = torch.tensor([[5, 6]])
     assert DraftHead.for_batch(llama, None, prompts, [EOS]) is None
-    assert DraftHead.for_batch(llama, VOCAB // 2 + 1, prompts, [EOS]) is None
-    assert DraftHead.for_batch(llama, VOCAB // 2, prompts, [EOS]) is not None
+    assert DraftHead.for_batch(llama, VOCAB, prompts, [EOS]) is None
+    assert DraftHead.for_batch(llama, VOCAB - 1, prompts, [EOS]).num_kept == VOCAB - 1
 
 
 def test_models_that_transform_their_logits_keep_the_whole_vocabulary():
@@ -144,3 +144,20 @@ def test_sampling_with_a_narrowed_draft_follows_the_target_distribution(small_vo
 def test_draft_vocab_size_must_be_positive():
     with pytest.raises(ValueError, match="`draft_vocab_size` must be an integer >= 1"):
         DynSpecConfig(draft_vocab_size=0)
+
+
+def test_the_bench_counts_every_forward_of_a_narrowed_draft(llama):
+    from hf_dynspec.evaluation.runner import ForwardCounter
+
+    draft = perturbed(llama, scale=0.05, seed=11)
+    ids, mask = left_padded_prompts([8, 12], seed=3)
+    counter = ForwardCounter(draft)
+    assert unsupported_reason(draft) is None  # the check runs forwards of its own, once per model
+    counter.take()
+    out = llama.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=3, draft_vocab_size=24),
+    )
+    assert counter.take() == out.dynspec_stats.draft_forwards > 0
+    counter.remove()

@@ -80,13 +80,12 @@ class DynSpecConfig:
                   "draft forwards are saved. 0 disables; off with an early stop."},
     )
     draft_vocab_size: int | None = field(
-        default=None,
+        default=65536,
         metadata={"help": "Draft model: propose only among the first this many token ids (a BPE vocabulary lists its "
                   "tokens roughly from most to least frequent), the batch's prompt tokens and the EOS ids, so the "
                   "draft's output layer reads that many rows instead of the whole vocabulary. The target still "
                   "decides every token (lossless); only acceptance can drop. None: the whole vocabulary (also used "
-                  "when this is at least half of it, or when the draft's logits are not a linear map of its last "
-                  "hidden state)."},
+                  "when the draft's logits are not a plain linear map of its last hidden state)."},
     )
     compact_min_holes: int = field(
         default=32,

@@ -56,10 +56,10 @@ class DraftHead:
         cls, model: PreTrainedModel, size: int | None, prompt_ids: torch.LongTensor, eos_ids: list[int]
     ) -> DraftHead | None:
         """The head keeping the first `size` ids, every id in `prompt_ids` (`[batch, length]`) and `eos_ids`; `None`
-        when `size` is `None`, when it would keep most of the vocabulary anyway, or when the model does not support it
+        when `size` is `None` or covers the whole vocabulary, or when the model does not support it
         (see `unsupported_reason`, logged once per model)."""
         head = model.get_output_embeddings()
-        if size is None or head is None or size * 2 > head.weight.shape[0]:
+        if size is None or head is None or size >= head.weight.shape[0]:
             return None
         reason = unsupported_reason(model)
         if reason is not None:

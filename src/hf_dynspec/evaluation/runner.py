@@ -91,11 +91,13 @@ class Outcome:
 
 
 class ForwardCounter:
-    """Counts top-level forward calls of a module (a forward pre-hook)."""
+    """Counts forward calls of a model (a forward pre-hook on its decoder, which every forward runs once, including
+    those that compute the logits themselves, as a narrowed draft head does; other modules: on the module)."""
 
     def __init__(self, module: torch.nn.Module | None) -> None:
         self.count = 0
-        self._handle = module.register_forward_pre_hook(self._hook) if module is not None else None
+        hooked = module.get_decoder() if isinstance(module, PreTrainedModel) else module
+        self._handle = hooked.register_forward_pre_hook(self._hook) if hooked is not None else None
 
     def _hook(self, module: torch.nn.Module, args: Any) -> None:
         self.count += 1
