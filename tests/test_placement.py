@@ -120,6 +120,24 @@ def test_max_memory_offload_of_target_and_draft_matches_plain_generate(saved, tm
     assert out.dynspec_stats.accepted_tokens > 0
 
 
+
+@pytest.mark.parametrize("head_on", ["disk", "cpu"])
+def test_a_dispatched_draft_narrows_its_head_only_when_the_head_is_in_memory(saved, tmp_path, head_on):
+    from hf_dynspec.candidates.draft_head import unsupported_reason
+
+    reference = plain(load(saved / "target"))
+    draft = load(saved / "draft", device_map={**DISK_MAP, "lm_head": head_on}, offload_folder=tmp_path / "d")
+    reason = unsupported_reason(draft)
+    assert (reason is None) if head_on == "cpu" else ("offloaded" in reason)
+    ids, mask = prompts()
+    out = load(saved / "target").generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=3, draft_vocab_size=24),
+    )
+    assert torch.equal(out.sequences, reference)
+    assert out.dynspec_stats.accepted_tokens > 0
+
 def test_placement_of_an_offloaded_model_names_its_execution_device(saved, tmp_path):
     target = load(saved / "target", device_map={"": "disk"}, offload_folder=tmp_path / "offload")
     assert {p.device.type for p in target.parameters()} == {"meta"}

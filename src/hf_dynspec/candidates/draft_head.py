@@ -28,9 +28,9 @@ _SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakK
 
 
 class DraftHead:
-    """Draft logits for `ids` only (`-inf` elsewhere), computed from the decoder's last hidden states.
+    """Draft logits for the kept ids only (`-inf` elsewhere), computed from the decoder's last hidden states.
 
-    Build it with [`DraftHead.for_batch`], which returns `None` when narrowing would not help or the model's logits
+    Build it with [`DraftHead.for_batch`], which returns `None` when nothing would be left out or the model's logits
     are not a plain linear map of its last hidden state.
     """
 
@@ -59,12 +59,9 @@ class DraftHead:
         when `size` is `None` or covers the whole vocabulary, or when the model does not support it
         (see `unsupported_reason`, logged once per model)."""
         head = model.get_output_embeddings()
-        if size is None or head is None or size >= head.weight.shape[0]:
+        vocab = int(head.weight.shape[0]) if head is not None else 0
+        if size is None or size >= vocab or unsupported_reason(model) is not None:
             return None
-        reason = unsupported_reason(model)
-        if reason is not None:
-            return None
-        vocab = int(head.weight.shape[0])
         wanted = torch.cat([prompt_ids.reshape(-1).cpu(), torch.tensor(eos_ids, dtype=torch.long)])
         extra = torch.unique(wanted[(wanted >= size) & (wanted < vocab)])  # [extra] sorted, distinct
         return cls(model, size, extra)
