@@ -24,7 +24,7 @@ def test_forward_schedule_when_everything_is_accepted(k):
     out = target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=k, draft_lookahead=0),  # one forward per draft token
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k, draft_lookahead=0),  # one forward per draft token
     )
     hook.remove()
     assert torch.equal(out.sequences, expected)
@@ -56,7 +56,7 @@ def test_draft_catches_up_after_steps_without_speculation():
     expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     out = hf_dynspec.generate(target, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
                               assistant_model=draft, dynspec_policy=Alternate(), return_dict_in_generate=True,
-                              dynspec_config=DynSpecConfig(draft_lookahead=0))
+                              dynspec_config=DynSpecConfig(policy="static", draft_lookahead=0))
     hook.remove()
     assert torch.equal(out.sequences, expected)
     # Step 3 is the first to draft: the prompt and the tokens of the prefill and three plain steps are caught up in one

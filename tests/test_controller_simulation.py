@@ -39,6 +39,7 @@ def environment(rng: np.random.Generator) -> Environment:
         draft_ratio=float(rng.uniform(0.05, 0.5)),
         max_draft_tokens=MAX_DRAFT,
         bursts=bursts,
+        multi_token_factor=float(rng.choice([1.0, 1.0, 2.2])),  # AMX / bfloat16, or float32 on an AVX2-only CPU
     )
 
 

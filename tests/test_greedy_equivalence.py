@@ -23,7 +23,7 @@ def speculative(model, ids, mask, draft, k, **kwargs):
         do_sample=False,
         assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=k),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k),
         return_dict_in_generate=True,
         **kwargs,
     )
@@ -133,7 +133,7 @@ def test_compaction_keeps_output_identical(pair):
         do_sample=False,
         assistant_model=drafts["mixed"],
         custom_generate=hf_dynspec.speculative_loop,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=6, compact_min_holes=1, compact_hole_fraction=0.05),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=6, compact_min_holes=1, compact_hole_fraction=0.05),
         return_dict_in_generate=True,
         max_new_tokens=40,
     )

@@ -147,12 +147,14 @@ def test_folder_gives_the_tokens_of_the_direct_call(exported: Path, target, draf
 def test_folder_gives_the_samples_of_the_direct_call(exported: Path, target, draft) -> None:
     inputs = prompts(3)
     sampling = {"do_sample": True, "temperature": 0.9, "top_k": 20, "max_new_tokens": 10}
+    static = DynSpecConfig(policy="static")  # draws depend on the draft lengths: the default's follow timings
     torch.manual_seed(123)
     through_folder = target.generate(
-        **inputs, assistant_model=draft, custom_generate=str(exported), trust_remote_code=True, **sampling
+        **inputs, assistant_model=draft, custom_generate=str(exported), trust_remote_code=True, dynspec_config=static,
+        **sampling,
     )
     torch.manual_seed(123)
-    direct = hf_dynspec.generate(target, **inputs, assistant_model=draft, **sampling)
+    direct = hf_dynspec.generate(target, **inputs, assistant_model=draft, dynspec_config=static, **sampling)
     assert torch.equal(through_folder, direct)
 
 
@@ -198,15 +200,23 @@ def _generate_through(folder: Path, target, draft, **kwargs):
 def test_settings_priority(tmp_path: Path, draft) -> None:
     """Explicit `dynspec_config` > the model's generation config > the folder's settings > defaults."""
     target = tiny_llama(0)
-    folder = export_hub(tmp_path / "with-settings", config=DynSpecConfig(num_speculative_tokens=2)).out_dir
+    folder = export_hub(tmp_path / "with-settings", config=DynSpecConfig(num_speculative_tokens=2, policy="static")).out_dir
     assert _max_requested(_generate_through(folder, target, draft)) == 2
-    assert _max_requested(_generate_through(folder, target, draft, dynspec_config={"num_speculative_tokens": 1})) == 1
-    DynSpecConfig(num_speculative_tokens=3).to_generation_config(target.generation_config)
+    explicit = {"num_speculative_tokens": 1, "policy": "static"}
+    assert _max_requested(_generate_through(folder, target, draft, dynspec_config=explicit)) == 1
+    DynSpecConfig(num_speculative_tokens=3, policy="static").to_generation_config(target.generation_config)
     assert _max_requested(_generate_through(folder, target, draft)) == 3
 
 
 def test_folder_without_settings_uses_defaults(exported: Path, target, draft) -> None:
-    assert _max_requested(_generate_through(exported, target, draft)) == DynSpecConfig().num_speculative_tokens
+    from hf_dynspec.loop import _LEARNED_POLICIES
+
+    _LEARNED_POLICIES.pop(target, None)
+    out = _generate_through(exported, target, draft)
+    assert _max_requested(out) <= DynSpecConfig().num_speculative_tokens
+    # the default policy (goodput) is remembered per target, draft and configuration: the defaults' configuration
+    remembered = [json.loads(key[1]) for key in _LEARNED_POLICIES.get(target, {})]
+    assert remembered == [DynSpecConfig().to_dict()]
 
 
 # ---- exporting a model ------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from hf_dynspec.sequences import TokenBatch
 def speculate(target, draft, ids, mask, **config):
     return target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32, assistant_model=draft,
-        custom_generate=hf_dynspec.speculative_loop, dynspec_config=DynSpecConfig(**config),
+        custom_generate=hf_dynspec.speculative_loop, dynspec_config=DynSpecConfig(**{"policy": "static", **config}),
         return_dict_in_generate=True,
     )
 
@@ -52,7 +52,7 @@ def test_tokens_a_forward_yields_may_run_past_the_length_but_never_cost_a_forwar
     out = target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=2, draft_lookahead=6, prompt_lookup_max_tokens=7),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=2, draft_lookahead=6, prompt_lookup_max_tokens=7),
     )
     assert torch.equal(out.sequences, plain)
     steps = out.dynspec_stats.steps
@@ -95,7 +95,7 @@ def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # no
     used_guess = []
 
     def draw(n: int) -> torch.Tensor:
-        config = DynSpecConfig(num_speculative_tokens=2, draft_lookahead=n)  # one guess token for each of n rows
+        config = DynSpecConfig(policy="static", num_speculative_tokens=2, draft_lookahead=n)  # one guess token for each of n rows
         proposer = DraftModelProposer(draft, processors, GenerationConfig(do_sample=True), placement, config)
         tokens = torch.cat([prompt.expand(n, -1), torch.zeros((n, 2), dtype=torch.long)], dim=1)
         batch = TokenBatch(tokens, prompt.shape[0], torch.full((n,), prompt.shape[0]), torch.zeros(n, dtype=torch.long), 0)

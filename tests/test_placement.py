@@ -83,7 +83,7 @@ def speculative(target, draft, k: int = 3, **kwargs) -> torch.Tensor:
         do_sample=False,
         assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=k),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k),
         **kwargs,
     )
 
@@ -133,7 +133,7 @@ def test_a_dispatched_draft_narrows_its_head_only_when_the_head_is_in_memory(sav
     out = load(saved / "target").generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=3, draft_vocab_size=24),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=3, draft_vocab_size=24),
     )
     assert torch.equal(out.sequences, reference)
     assert out.dynspec_stats.accepted_tokens > 0

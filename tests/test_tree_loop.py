@@ -57,7 +57,7 @@ def test_draft_tree_matches_plain_greedy(pair, batch_size, depth, budget, branch
     target, draft = pair
     ids, mask = left_padded_prompts([3 + (seed + 7 * row) % 12 for row in range(batch_size)], seed=seed)
     expected = plain(target, ids, mask, max_new_tokens=20)
-    config = DynSpecConfig(num_speculative_tokens=depth, tree_node_budget=budget, tree_branching=branching)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=depth, tree_node_budget=budget, tree_branching=branching)
     out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=20)
     assert torch.equal(out.sequences, expected)
     steps = [s for s in out.dynspec_stats.steps if max(s.draft_lengths) > 0]
@@ -68,8 +68,8 @@ def test_draft_tree_matches_plain_greedy(pair, batch_size, depth, budget, branch
 def test_trees_accept_more_than_chains_of_the_same_depth(pair):
     target, draft = pair
     ids, mask = left_padded_prompts([5, 9, 12, 7], seed=3)
-    chain = speculative(target, ids, mask, DynSpecConfig(num_speculative_tokens=3), draft, max_new_tokens=32)
-    tree_config = DynSpecConfig(num_speculative_tokens=3, tree_node_budget=12, tree_branching=3)
+    chain = speculative(target, ids, mask, DynSpecConfig(policy="static", num_speculative_tokens=3), draft, max_new_tokens=32)
+    tree_config = DynSpecConfig(policy="static", num_speculative_tokens=3, tree_node_budget=12, tree_branching=3)
     tree = speculative(target, ids, mask, tree_config, draft, max_new_tokens=32)
     assert torch.equal(tree.sequences, chain.sequences)
     assert tree.dynspec_stats.num_steps < chain.dynspec_stats.num_steps
@@ -82,7 +82,7 @@ def test_tree_with_eos_inside_a_branch_and_compaction(pair):
     generated = plain(target, ids, mask, max_new_tokens=20)[:, ids.shape[1] :]
     eos = int(torch.bincount(generated[:, 3:12].reshape(-1)).argmax())  # a token plain emits mid-sequence
     expected = plain(target, ids, mask, max_new_tokens=90, eos_token_id=eos)
-    config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=10, tree_branching=3, compact_min_holes=4)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=10, tree_branching=3, compact_min_holes=4)
     out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=90, eos_token_id=eos)
     assert torch.equal(out.sequences, expected)
     assert out.dynspec_stats.compactions > 0
@@ -94,7 +94,7 @@ def test_lookup_trie_matches_plain_greedy(pair):
     ids = torch.cat([base, base.flip(1), base.roll(3, 1)], dim=0)
     mask = torch.ones_like(ids)
     expected = plain(target, ids, mask, max_new_tokens=24)
-    config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=8)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=8)
     out = speculative(target, ids, mask, config, prompt_lookup_num_tokens=4, do_sample=False, max_new_tokens=24)
     assert torch.equal(out.sequences, expected)
     assert any(max(s.draft_lengths) > max(s.draft_depths) for s in out.dynspec_stats.steps), "no trie branched"
@@ -113,8 +113,8 @@ def test_proposers_are_chosen_by_the_config(pair):
 
     hf_dynspec.loop._Run._make_proposer = spy
     try:
-        speculative(target, ids, mask, DynSpecConfig(tree_node_budget=4), draft, max_new_tokens=4)
-        speculative(target, ids, mask, DynSpecConfig(tree_node_budget=4), prompt_lookup_num_tokens=3, max_new_tokens=4)
+        speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), draft, max_new_tokens=4)
+        speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), prompt_lookup_num_tokens=3, max_new_tokens=4)
     finally:
         hf_dynspec.loop._Run._make_proposer = original
     assert seen == [DraftTreeProposer, LookupTreeProposer]
@@ -149,7 +149,7 @@ def _tree_sampling_p_value(family: str) -> float:
     torch.manual_seed(0)
     ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
     draws = 6000
-    config = DynSpecConfig(num_speculative_tokens=3, tree_node_budget=6, tree_branching=2)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=3, tree_node_budget=6, tree_branching=2)
     reference = _first_tokens(target, ids, draws, None)
     trees = _first_tokens(target, ids, draws, config, draft)
     return min(_chi_square_p(reference[:, :2], trees[:, :2]), _chi_square_p(reference[:, 1:], trees[:, 1:]))
@@ -186,7 +186,7 @@ def test_sampling_trees_with_fewer_allowed_tokens_than_branches(pair):
     target, draft = pair
     ids, mask = left_padded_prompts([6, 9, 4], seed=5)
     expected = plain(target, ids, mask, max_new_tokens=16)
-    config = DynSpecConfig(num_speculative_tokens=3, tree_node_budget=9, tree_branching=3)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=3, tree_node_budget=9, tree_branching=3)
     out = speculative(target, ids, mask, config, draft, do_sample=True, top_k=1, max_new_tokens=16)
     assert torch.equal(out.sequences, expected)
     assert all(n <= d for s in out.dynspec_stats.steps for n, d in zip(s.draft_lengths, s.draft_depths or []))

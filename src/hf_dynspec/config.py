@@ -34,11 +34,14 @@ class DynSpecConfig:
 
     num_speculative_tokens: int = field(
         default=4,
-        metadata={"help": "Maximum number of draft tokens a row may speculate in one step (the static length)."},
+        metadata={"help": "Maximum number of draft tokens a row may speculate in one step (the `static` policy's "
+                  "length; the bound of every other policy)."},
     )
     policy: str = field(
-        default="static",
-        metadata={"help": "Name of the policy that chooses each row's draft length every step (see `hf_dynspec.policies`)."},
+        default="goodput",
+        metadata={"help": "Name of the policy that chooses each row's draft length every step (see `hf_dynspec.policies`). "
+                  "The default, 'goodput', learns acceptance and costs online and drafts only where it expects to "
+                  "gain, within a loss budget against plain decoding; 'static' always drafts the maximum."},
     )
     policy_options: dict[str, Any] = field(
         default_factory=dict,

@@ -263,9 +263,9 @@ class OnlineCostModel(PaddedCostModel):
     """The padded cost model learned from the loop's own timings, with or without a starting profile.
 
     Knots: every distinct number of target tokens `N` seen in a verify forward, and every batch size seen in a step
-    that drafted (its draft seconds divided by the number of draft forwards). Each knot keeps its last `window`
-    samples and is worth the fastest of them: on a shared machine interference only ever slows a step down, so the
-    fastest recent run is the best estimate of what the step costs (the advice of Python's `timeit`); with
+    that drafted (its draft seconds divided by its longest draft). Each knot keeps its last `window` samples. A
+    verify knot is worth the fastest of them (a draft knot their median, see `_fit`): on a shared machine
+    interference only ever slows a step down, so the fastest recent run is the best estimate of what the step costs (the advice of Python's `timeit`); with
     symmetric noise this reads every knot a little low, which largely cancels in the comparisons between lengths
     that the policy makes. A knot with fewer than `confirm_samples` samples is provisional: it is worth
     at most what the confirmed knots predict there. That is optimism where evidence is thin: one slow step (another
@@ -352,7 +352,7 @@ class OnlineCostModel(PaddedCostModel):
 
     def _refit(self) -> None:
         self.verify = self._fit(self.verify_samples, extrapolate=False)
-        self.draft = self._fit(self.draft_samples, extrapolate=False)
+        self.draft = self._fit(self.draft_samples, extrapolate=False, typical=True)
 
     def has_measured(self, tokens: int) -> bool:
         """Whether a knot with a fresh sample at or beyond `tokens` target tokens (within the tolerance) prices them."""
@@ -362,15 +362,30 @@ class OnlineCostModel(PaddedCostModel):
             for knot, values in self.verify_samples.items()
         )
 
+    def evidence(self) -> PaddedCostModel:
+        """The knots as measured, without the optimism of provisional and stale knots: what the loss budget books a
+        finished step at (the step's own timing is among the samples, so a first measurement counts in full)."""
+        def fit(samples: dict[int, deque[tuple[float, int]]], pick) -> PiecewiseLinear | None:
+            return PiecewiseLinear.fit({k: (pick([t for t, _ in v]), len(v)) for k, v in samples.items() if v})
+
+        return PaddedCostModel(fit(self.verify_samples, min), fit(self.draft_samples, lambda v: float(np.median(v))))
+
     def optimistic(self) -> PaddedCostModel:
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
-        return PaddedCostModel(self._fit(self.verify_samples, True), self._fit(self.draft_samples, True))
+        return PaddedCostModel(self._fit(self.verify_samples, True), self._fit(self.draft_samples, True, typical=True))
 
-    def _fit(self, samples: dict[int, deque[tuple[float, int]]], extrapolate: bool) -> PiecewiseLinear | None:
-        """Fastest sample per knot; provisional knots capped at what the confirmed knots predict (within their range
-        unless `extrapolate`); isotonic fit."""
+    def _fit(
+        self, samples: dict[int, deque[tuple[float, int]]], extrapolate: bool, typical: bool = False
+    ) -> PiecewiseLinear | None:
+        """Fastest sample per knot (the median if `typical`); provisional knots capped at what the confirmed knots
+        predict (within their range unless `extrapolate`); isotonic fit.
+
+        Draft knots take the median: a step's draft seconds per draft token vary with the content, not only with
+        interference (where the draft's lookahead guess holds, one forward yields several tokens), so the fastest
+        step would price every draft token at its luckiest."""
         fresh_from = self.steps_observed - self.stale_after
-        points = {key: (min(seconds for seconds, _ in values), len(values)) for key, values in samples.items() if values}
+        pick = (lambda values: float(np.median(values))) if typical else min
+        points = {key: (pick([seconds for seconds, _ in values]), len(values)) for key, values in samples.items() if values}
         fresh = {key: sum(step > fresh_from for _, step in values) for key, values in samples.items()}
         base = PiecewiseLinear.fit({x: p for x, p in points.items() if fresh[x] >= self.confirm_samples})
         provisional = [x for x in points if fresh[x] < self.confirm_samples]
@@ -378,8 +393,12 @@ class OnlineCostModel(PaddedCostModel):
             provisional = [x for x in provisional if len(samples[x]) < self.confirm_samples or base.xs[0] <= x <= base.xs[-1]]
         if base is not None and provisional:
             caps = base(np.array(provisional, dtype=np.float64))
+            kept = {x: value for x, (value, _) in points.items() if x not in provisional}
             for x, cap in zip(provisional, caps.tolist()):
-                points[x] = (min(points[x][0], cap), points[x][1])
+                # never below a knot that is not capped at fewer tokens: the isotonic fit would pool the two and
+                # pull a measured cost down (a cost that rises steeply from the second token on would be lost)
+                floor = max((value for y, value in kept.items() if y < x), default=0.0)
+                points[x] = (min(points[x][0], max(cap, floor)), points[x][1])
         return PiecewiseLinear.fit(points)
 
 

@@ -17,6 +17,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--policy", default="static",
+        help="Draft-length policy (default static: on tiny random models the draft costs about as much as the "
+             "target, so the package's default, goodput, would rightly hardly draft at all).",
+    )
     parser.set_defaults(func=run)
 
 
@@ -34,11 +39,12 @@ def run(args: argparse.Namespace) -> int:
     out = hf_dynspec.generate(
         target, input_ids=ids, attention_mask=mask, assistant_model=draft, do_sample=False,
         max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=args.num_speculative_tokens),
+        dynspec_config=DynSpecConfig(num_speculative_tokens=args.num_speculative_tokens, policy=args.policy),
     )
     stats = out.dynspec_stats
     identical = torch.equal(out.sequences, plain)
-    print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens, static draft length {args.num_speculative_tokens}")
+    print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens, policy {args.policy}, "
+          f"at most {args.num_speculative_tokens} draft tokens")
     print(f"token-identical to plain greedy decoding: {identical}")
     plain_steps = plain.shape[1] - ids.shape[1]
     print(f"steps {stats.num_steps}, target forwards {stats.target_forwards} (plain needs {plain_steps}), "

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import DynSpecConfig
 from .plots import speedup_table
 from .runner import TIME_FIELDS
+
+DEFAULT_METHOD = f"dynspec-{DynSpecConfig().policy}"
+"""The bench method that runs what `DynSpecConfig()` runs (the package's default policy with its default options)."""
 
 
 def _number(value: float | int | None, digits: int = 2) -> str:
@@ -39,8 +43,12 @@ def markdown_table(results: dict[str, Any]) -> str:
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     sequential = False
+    default_marked = False
+    options = results.get("config", {}).get("policy_options") or {}
     for run in sorted(results["runs"], key=lambda r: r["batch_size"]):
         name = run["method"]
+        if name == DEFAULT_METHOD and DynSpecConfig().policy not in options:
+            name, default_marked = name + " *", True
         if run.get("rows_one_at_a_time"):
             name, sequential = name + " †", True
         speedup = 1.0 if run["method"] == "plain" else speedups.get(run["method"], {}).get(run["batch_size"])
@@ -51,6 +59,9 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"{_number(run['mean_accepted'])} | "
             f"{run['target_forwards']} | {run['draft_forwards']} | {match} |"
         )
+    if default_marked:
+        lines.append("")
+        lines.append("* the package's default: what `DynSpecConfig()` runs.")
     if sequential:
         lines.append("")
         lines.append("† transformers cannot batch assisted generation: these rows ran one at a time.")

@@ -3,7 +3,8 @@
 An `Environment` prices steps the way the loop's forwards cost on real hardware: a target forward over `N` new
 tokens costs `v0 * (1 + N / flat_tokens)`, a memory-bound part (reading the weights) plus a compute-bound part that
 equals it at `flat_tokens` tokens (on this CPU in bfloat16, about 40: 8 tokens cost 1.2x one, batch 16 with 3 tokens
-per row 1.6x one per row); a draft forward costs `draft_ratio` times a target forward over the same tokens; the
+per row 1.6x one per row), times `multi_token_factor` when `N > 1` (1 on AMX; about 2.2 in float32 on a CPU with
+AVX2 only, where one token is a matrix-vector product and two are a much slower matrix product); a draft forward costs `draft_ratio` times a target forward over the same tokens; the
 target's prefill and the draft's catch-ups are priced the same way. Rows accept each draft token with their own probability, independently; other processes on the machine show as
 bursts during which every forward is `factor` times slower.
 
@@ -44,13 +45,17 @@ class Environment:
     draft_ratio: float = 0.3  # draft forward / target forward over the same tokens
     max_draft_tokens: int = 8
     bursts: tuple[Burst, ...] = field(default_factory=tuple)
+    multi_token_factor: float = 1.0
+    """Forwards over more than one token cost this much more (a CPU whose matrix-vector product reads the weights
+    at full bandwidth but whose small matrix products do not: float32 on an AVX2 CPU is about 2.2)."""
 
     @property
     def batch_size(self) -> int:
         return len(self.acceptance)
 
     def target_seconds(self, tokens: int) -> float:
-        return self.v0 * (1.0 + tokens / self.flat_tokens)
+        cliff = self.multi_token_factor if tokens > 1 else 1.0
+        return self.v0 * cliff * (1.0 + tokens / self.flat_tokens)
 
     def noise(self, now: float) -> float:
         return max([b.factor for b in self.bursts if b.start <= now < b.start + b.duration], default=1.0)

@@ -43,6 +43,7 @@ from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .confidence import ConfidenceSettings, ConfidenceStopper
 
 COST_MODELS = ("online", "profile")
+MAX_PROBE_BACKOFF = 64
 MARGINAL_STOP = "marginal"
 
 
@@ -272,6 +273,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self.budget = LossBudget(s.loss_budget)
         self.catchup = CatchupCost(s.window)
         self.plain_streak = 0
+        self.probe_backoff = 1  # probes wait `probe_interval * probe_backoff` plain steps; doubles per failed probe
+        self._probing = False
         self.last_exploration: int | None = None
         self.last_blocked = False
         self.draft_ratio: float | None = None  # draft/target parameter ratio, from the prefill
@@ -302,21 +305,27 @@ class GoodputPolicy(DraftLengthPolicy):
             return torch.zeros(batch, dtype=torch.long)
         catchup = self._catchup_seconds(request)
         self.last_exploration = self.cost_model.exploration_length(batch, max_k)
-        if self.last_exploration and not self._could_pay(request, caps):
-            self.last_exploration = None  # no cost could make these rows worth drafting: nothing to measure
+        if self.last_exploration and (int(caps.max()) < self.last_exploration or not self._could_pay(request, caps)):
+            # no row can draft that far (the call is ending), or no cost could make these rows worth drafting
+            self.last_exploration = None
         if self.last_exploration is not None:
-            lengths = self._within_budget(request, caps.clamp(max=self.last_exploration), catchup)
-            if bool((lengths > 0).any()) or self.last_exploration == 0:
+            wanted = caps.clamp(max=self.last_exploration)
+            lengths = self._within_budget(request, wanted, catchup)
+            if torch.equal(lengths, wanted) or self.last_exploration == 0:
                 return lengths
-            self.last_exploration = None  # the budget cannot pay for this measurement: decide as if it were made
+            # The budget cannot pay for this measurement. A shorter draft would measure another point (and pay the
+            # catch-up again at the next attempt): decide as if the measurement were made.
+            self.last_exploration, self.last_blocked = None, False
         lengths, self._free = self._search(request, caps, catchup, optimistic=False)
         if bool((lengths > 0).any()):
             self.plain_streak = 0
         else:
             self.plain_streak += 1
-            if self.settings.probe_interval and self.plain_streak >= self.settings.probe_interval:
+            interval = self.settings.probe_interval * self.probe_backoff
+            if self.settings.probe_interval and self.plain_streak >= interval:
                 self.plain_streak = 0
                 lengths, self._free = self._search(request, caps, catchup, optimistic=True)
+                self._probing = bool((lengths > 0).any())
         if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
             lengths = caps.clone()  # the marginal stop decides where each row's draft ends
         lengths = self._within_budget(request, lengths, catchup)
@@ -364,8 +373,14 @@ class GoodputPolicy(DraftLengthPolicy):
         if feedback.batch_size:
             plain = self._plain_seconds(feedback.batch_size)
             catchup = self.catchup.seconds(feedback.catchup_tokens) if feedback.catchup_seconds > 0 else 0.0
-            spent = self._price(feedback.batch_size, proposed, free, catchup, feedback.target_tokens)
-            self.budget.record(plain * float((accepted + 1).double().mean()), spent)
+            spent = self._price(feedback.batch_size, proposed, free, catchup, feedback.target_tokens,
+                                self._booking_model())
+            done = plain * float((accepted + 1).double().mean())
+            self.budget.record(done, spent)
+            if self._probing and bool((proposed > 0).any()):
+                # a probe that lost against plain steps makes the next one wait twice as long (at most 64 times)
+                self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF) if spent > done else 1
+                self._probing = False
 
     def node_budgets(self, request: PolicyInput, lengths: torch.LongTensor) -> torch.LongTensor:
         """Tree nodes for the rows that draft: the most whose verify forward costs at most `1 + tree_slack` times a
@@ -428,11 +443,28 @@ class GoodputPolicy(DraftLengthPolicy):
         return self._price(batch, torch.full((batch,), drafted, dtype=torch.long), None, 0.0)
 
     def _catchup_seconds(self, request: PolicyInput) -> float:
-        """Predicted seconds of the draft's catch-up forward if it drafts this step (0 when the backlog rides inline)."""
+        """Predicted seconds of the draft's catch-up forward if it drafts this step (0 when the backlog rides inline).
+
+        At least the draft's forward cost scaled by the target's cost curve (`_draft_forward_seconds`): a rate per
+        token learned from the draft's prompt prefill undersells a narrow catch-up wherever a forward over a few
+        tokens costs far more than over one (float32 on a CPU without AMX: about 2.2x from the second token on).
+        """
         if request.backlog is None or request.batch_size == 0:
             return 0.0
         width = int(request.backlog.max())
-        return self.catchup.seconds(request.batch_size * (width - 1)) if width > MAX_INLINE_TAIL else 0.0
+        if width <= MAX_INLINE_TAIL:
+            return 0.0
+        tokens = request.batch_size * (width - 1)
+        return max(self.catchup.seconds(tokens), self._draft_forward_seconds(request.batch_size, tokens))
+
+    def _draft_forward_seconds(self, batch: int, tokens: int) -> float:
+        """A draft forward over `tokens` tokens at `batch` rows: its one-token forward times the target's cost of
+        `tokens` tokens over its cost of `batch` (0 while either is unknown)."""
+        model = self.cost_model
+        if not isinstance(model, PaddedCostModel) or model.draft is None or model.verify is None:
+            return 0.0
+        one, wide = model.verify(np.array([float(batch), float(tokens)]))
+        return float(model.draft(np.array([batch]))[0]) * float(wide) / max(float(one), 1e-12)
 
     def _price(
         self,
@@ -441,17 +473,18 @@ class GoodputPolicy(DraftLengthPolicy):
         free: torch.BoolTensor | None,
         catchup: float,
         target_tokens: int | None = None,
+        model: StepCostModel | None = None,
     ) -> float:
         """Seconds of a step with `lengths` (`[batch]`), `free` rows served by prompt lookup, catch-up included.
 
         `target_tokens` (the verify forward's tokens; token trees verify more than `batch * (1 + max(lengths))`)
-        overrides the chain's count.
+        overrides the chain's count; `model` overrides the policy's cost model.
 
         Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
         plain step (so a first exploration is not mistaken for free).
         """
         forwards = draft_model_forwards(lengths, free)
-        model = self.cost_model
+        model = self.cost_model if model is None else model
         if not isinstance(model, PaddedCostModel):
             return float(model.step_seconds(batch, lengths)) + (catchup if forwards else 0.0)
         longest = float(lengths.max()) if lengths.numel() else 0.0
@@ -480,11 +513,16 @@ class GoodputPolicy(DraftLengthPolicy):
             invested = torch.where(self._free, lengths, invested)  # lookup rows cost verify width only
         if longest > 0 and savings >= 2.0 * (self._price(batch, invested, self._free, catchup) - plain):
             return invested
+        booked = self._booking_model()
         for longest in range(int(lengths.max()), 0, -1):
             capped = lengths.clamp(max=longest)
-            if self.budget.allows(plain - self._price(batch, capped, self._free, catchup), future):
+            if self.budget.allows(plain - self._price(batch, capped, self._free, catchup, model=booked), future):
                 return capped
         return torch.zeros_like(lengths)
+
+    def _booking_model(self) -> StepCostModel | None:
+        """The costs the loss budget books steps at: an online model's measurements without its optimism."""
+        return self.cost_model.evidence() if isinstance(self.cost_model, OnlineCostModel) else None
 
     def _pessimistic_savings(self, request: PolicyInput, future: float) -> tuple[float, int]:
         """Seconds speculation saves over the `future` plain seconds of the call, at the lower confidence bound of
@@ -495,11 +533,12 @@ class GoodputPolicy(DraftLengthPolicy):
             return 0.0, 0  # nothing observed yet: the budget alone decides
         acceptance = self.acceptance.lower(request.row_ids, z)
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=request.max_draft_tokens)
-        lengths = best_draft_lengths(acceptance, caps, request.max_draft_tokens, self.cost_model)
+        booked = self._booking_model()
+        lengths = best_draft_lengths(acceptance, caps, request.max_draft_tokens, booked or self.cost_model)
         if not bool((lengths > 0).any()) or not _measured(self.cost_model, batch, int(lengths.max())):
             return 0.0, 0
         plain_rate = batch / self._plain_seconds(batch)
-        rate = float(expected_tokens(acceptance, lengths).sum()) / self._price(batch, lengths, None, 0.0)
+        rate = float(expected_tokens(acceptance, lengths).sum()) / self._price(batch, lengths, None, 0.0, model=booked)
         return max(0.0, future * (1.0 - plain_rate / rate)), int(lengths.max())
 
     # ---- the search ------------------------------------------------------------------------------------------------
