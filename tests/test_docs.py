@@ -76,7 +76,7 @@ def namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
 
 def test_quickstart_blocks_run(namespace: dict) -> None:
     ran = run_page("quickstart.md", namespace)
-    assert ran == 13
+    assert ran == 14
     assert Path("my-dynspec/custom_generate/generate.py").is_file()
     assert namespace["stats"].batch_size == 2
 

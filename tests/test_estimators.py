@@ -319,3 +319,42 @@ def test_online_cost_model_times_draft_forwards_of_draft_model_rows_only() -> No
     assert 2 not in model.draft_samples
     observe([True, False], 0.3)  # row 1 drafted 3 tokens with the model; row 0 took 10 from lookup
     assert float(model.draft(np.array([2]))[0]) == pytest.approx(0.1)
+
+
+def _observe_one_row(model: OnlineCostModel, longest: int, verify_seconds: float, draft_seconds: float = 0.0) -> None:
+    lengths = torch.full((1,), longest)
+    model.observe(StepFeedback(torch.arange(1), lengths, lengths, lengths, draft_seconds, verify_seconds, 1 + longest))
+
+
+def test_evidence_books_a_cost_measured_once_in_full() -> None:
+    """Float32 on a CPU with AVX2 only: verifying 2 tokens costs 2.2x one. The search may stay optimistic about a
+    point measured once (it could have been a burst of interference), the loss budget may not."""
+    model = OnlineCostModel(warmup_steps=0)
+    for _ in range(3):
+        _observe_one_row(model, 0, 0.36)
+    _observe_one_row(model, 1, 0.8, draft_seconds=0.16)
+    assert float(model.verify(np.array([2]))[0]) == pytest.approx(0.36)  # provisional: capped by the confirmed knot
+    assert float(model.evidence.verify(np.array([2]))[0]) == pytest.approx(0.8)
+    assert float(model.evidence.verify(np.array([1]))[0]) == pytest.approx(0.36)
+
+
+def test_a_capped_knot_never_pulls_a_measured_one_down() -> None:
+    """A knot measured once is capped by the confirmed knots' prediction, but never below a measured knot with fewer
+    tokens: the isotonic fit would pool the two and lose a cost that rises steeply from the second token on."""
+    model = OnlineCostModel(warmup_steps=0, stale_after=4)
+    for _ in range(3):
+        _observe_one_row(model, 1, 0.8, draft_seconds=0.16)  # 2 tokens: 2.2x one; stale after the next steps
+    for _ in range(3):
+        _observe_one_row(model, 0, 0.36)  # the only fresh confirmed knot: flat beyond 1 token
+    _observe_one_row(model, 5, 1.2, draft_seconds=0.8)  # 6 tokens, once: provisional
+    verify = model.verify(np.array([2, 6]))
+    assert verify[0] == pytest.approx(0.8) and verify[1] == pytest.approx(0.8)
+
+
+def test_draft_knots_take_the_median_not_the_luckiest_step() -> None:
+    """With draft lookahead one forward may yield several draft tokens, so seconds per draft token vary with the
+    content: the fastest step would price every draft token at its luckiest."""
+    model = OnlineCostModel(warmup_steps=0)
+    for draft_seconds in (0.24, 1.6, 1.6, 1.7):  # 8 draft tokens each: 0.03 s per token once, 0.2 s otherwise
+        _observe_one_row(model, 8, 1.3, draft_seconds=draft_seconds)
+    assert float(model.draft(np.array([1]))[0]) == pytest.approx(0.2)

@@ -25,6 +25,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -311,6 +312,9 @@ class OnlineCostModel(PaddedCostModel):
         self.draft_samples: dict[int, deque[tuple[float, int]]] = {}
         self.steps_observed = 0
         self._since_exploration = 0
+        self.evidence = PaddedCostModel(None, None)
+        """The knots as measured, without the optimism of provisional and stale knots: what the loss budget books
+        steps at (a finished step's own timing is among the samples, so a cost measured once counts in full)."""
         if profile is not None:
             for timing in profile.target_forward:
                 self._add(self.verify_samples, timing.batch_size * timing.tokens_per_row, timing.seconds)
@@ -353,6 +357,7 @@ class OnlineCostModel(PaddedCostModel):
     def _refit(self) -> None:
         self.verify = self._fit(self.verify_samples, extrapolate=False)
         self.draft = self._fit(self.draft_samples, extrapolate=False, typical=True)
+        self.evidence = PaddedCostModel(_as_measured(self.verify_samples, min), _as_measured(self.draft_samples, _median))
 
     def has_measured(self, tokens: int) -> bool:
         """Whether a knot with a fresh sample at or beyond `tokens` target tokens (within the tolerance) prices them."""
@@ -361,14 +366,6 @@ class OnlineCostModel(PaddedCostModel):
             knot * (1.0 + self.tolerance) >= tokens and any(step > fresh_from for _, step in values)
             for knot, values in self.verify_samples.items()
         )
-
-    def evidence(self) -> PaddedCostModel:
-        """The knots as measured, without the optimism of provisional and stale knots: what the loss budget books a
-        finished step at (the step's own timing is among the samples, so a first measurement counts in full)."""
-        def fit(samples: dict[int, deque[tuple[float, int]]], pick) -> PiecewiseLinear | None:
-            return PiecewiseLinear.fit({k: (pick([t for t, _ in v]), len(v)) for k, v in samples.items() if v})
-
-        return PaddedCostModel(fit(self.verify_samples, min), fit(self.draft_samples, lambda v: float(np.median(v))))
 
     def optimistic(self) -> PaddedCostModel:
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
@@ -384,7 +381,7 @@ class OnlineCostModel(PaddedCostModel):
         interference (where the draft's lookahead guess holds, one forward yields several tokens), so the fastest
         step would price every draft token at its luckiest."""
         fresh_from = self.steps_observed - self.stale_after
-        pick = (lambda values: float(np.median(values))) if typical else min
+        pick = _median if typical else min
         points = {key: (pick([seconds for seconds, _ in values]), len(values)) for key, values in samples.items() if values}
         fresh = {key: sum(step > fresh_from for _, step in values) for key, values in samples.items()}
         base = PiecewiseLinear.fit({x: p for x, p in points.items() if fresh[x] >= self.confirm_samples})
@@ -400,6 +397,18 @@ class OnlineCostModel(PaddedCostModel):
                 floor = max((value for y, value in kept.items() if y < x), default=0.0)
                 points[x] = (min(points[x][0], max(cap, floor)), points[x][1])
         return PiecewiseLinear.fit(points)
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def _as_measured(
+    samples: dict[int, deque[tuple[float, int]]], pick: Callable[[list[float]], float]
+) -> PiecewiseLinear | None:
+    """The knots as measured (`pick` of each knot's samples), none capped: see `OnlineCostModel.evidence`."""
+    points = {key: (pick([seconds for seconds, _ in values]), len(values)) for key, values in samples.items() if values}
+    return PiecewiseLinear.fit(points)
 
 
 def _medians(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:

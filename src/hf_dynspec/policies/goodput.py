@@ -503,26 +503,30 @@ class GoodputPolicy(DraftLengthPolicy):
         batch = request.batch_size
         plain = self._plain_seconds(batch)
         future = plain * float(request.remaining_tokens.max())
-        if self._price(batch, lengths, self._free, catchup) <= plain:
+        booked = self._booking_model()
+
+        def extra(candidate: torch.LongTensor) -> float:  # seconds over a plain step, at measured costs
+            return self._price(batch, candidate, self._free, catchup, model=booked) - plain
+
+        if extra(lengths) <= 0:
             return lengths
         savings, longest = self._pessimistic_savings(request, future)
-        if self.marginal and longest > 0 and savings >= 2.0 * (self._price(batch, lengths, self._free, catchup) - plain):
+        if self.marginal and longest > 0 and savings >= 2.0 * extra(lengths):
             return lengths  # the marginal stop ends each draft where the draft's own confidence says it stops paying
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
         if self._free is not None:
             invested = torch.where(self._free, lengths, invested)  # lookup rows cost verify width only
-        if longest > 0 and savings >= 2.0 * (self._price(batch, invested, self._free, catchup) - plain):
+        if longest > 0 and savings >= 2.0 * extra(invested):
             return invested
-        booked = self._booking_model()
         for longest in range(int(lengths.max()), 0, -1):
             capped = lengths.clamp(max=longest)
-            if self.budget.allows(plain - self._price(batch, capped, self._free, catchup, model=booked), future):
+            if self.budget.allows(-extra(capped), future):
                 return capped
         return torch.zeros_like(lengths)
 
     def _booking_model(self) -> StepCostModel | None:
         """The costs the loss budget books steps at: an online model's measurements without its optimism."""
-        return self.cost_model.evidence() if isinstance(self.cost_model, OnlineCostModel) else None
+        return self.cost_model.evidence if isinstance(self.cost_model, OnlineCostModel) else None
 
     def _pessimistic_savings(self, request: PolicyInput, future: float) -> tuple[float, int]:
         """Seconds speculation saves over the `future` plain seconds of the call, at the lower confidence bound of
