@@ -92,15 +92,18 @@ def test_controller_never_drafts_when_the_draft_prefill_cannot_pay() -> None:
 
 def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
     """Float32 on a CPU with AVX2 only (measured: a target forward over 2 tokens costs 2.2x one, a draft forward 44%
-    of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves 16 calls, as in the bench;
-    together they lose at most the loss budget (5%). Before the budget booked steps at measured costs and
-    explorations ran whole or not at all, this lost 6% and more."""
+    of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves three blocks of 16 calls, as
+    the bench reuses it: the first block loses at most the loss budget (5%), and once the costs are known the later
+    blocks lose at most 1%. (Before the budget booked steps at measured costs and explorations ran whole or not at
+    all, every block lost 4.7-5.6%.)"""
     env = Environment(acceptance=(0.8,), budgets=(48,), prompt_tokens=100, v0=0.36, flat_tokens=20, draft_ratio=0.44,
                       multi_token_factor=2.2, max_draft_tokens=8)
     policy = GoodputPolicy(GoodputSettings())
-    for seed in range(3):
-        plain = sum(seconds(StaticPolicy(0), env, seed + 100 * call) for call in range(16))
-        best_fixed = min(sum(seconds(StaticPolicy(k), env, seed + 100 * call) for call in range(16)) for k in range(1, 9))
-        controller = sum(seconds(policy, env, seed + 100 * call) for call in range(16))
+    for block in range(3):
+        calls = [block + 100 * call for call in range(16)]
+        plain = sum(seconds(StaticPolicy(0), env, seed) for seed in calls)
+        best_fixed = min(sum(seconds(StaticPolicy(k), env, seed) for seed in calls) for k in range(1, 9))
+        controller = sum(seconds(policy, env, seed) for seed in calls)
         assert best_fixed > plain
-        assert controller <= plain * (1 + GoodputSettings().loss_budget), f"{plain / controller:.3f}x plain"
+        bound = GoodputSettings().loss_budget if block == 0 else 0.01
+        assert controller <= plain * (1 + bound), f"block {block}: {plain / controller:.3f}x plain"
