@@ -213,6 +213,9 @@ def test_tiny_benchmark_end_to_end(pair, tmp_path):
     json.dumps(results)  # the results file must be plain JSON
     table = report.markdown_table(results)
     assert "| 4 | hf-assisted † |" in table and "ran one at a time" in table
+    assert "| 1 | dynspec-goodput * |" in table and "what `DynSpecConfig()` runs" in table  # the default is marked
+    results["config"]["policy_options"] = {"goodput": {"loss_budget": 0.1}}
+    assert "dynspec-goodput *" not in report.markdown_table(results)  # not the default once its options change
     for path in plots.write_plots(results, tmp_path / "plots"):
         assert path.read_bytes()[:4] == b"\x89PNG"
 

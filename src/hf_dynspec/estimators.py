@@ -266,9 +266,9 @@ class OnlineCostModel(PaddedCostModel):
     Knots: every distinct number of target tokens `N` seen in a verify forward, and every batch size seen in a step
     that drafted (its draft seconds divided by its longest draft). Each knot keeps its last `window` samples. A
     verify knot is worth the fastest of them (a draft knot their median, see `_fit`): on a shared machine
-    interference only ever slows a step down, so the fastest recent run is the best estimate of what the step costs (the advice of Python's `timeit`); with
-    symmetric noise this reads every knot a little low, which largely cancels in the comparisons between lengths
-    that the policy makes. A knot with fewer than `confirm_samples` samples is provisional: it is worth
+    interference only ever slows a step down, so the fastest recent run is the best estimate of what the step
+    costs (the advice of Python's `timeit`); with symmetric noise this reads every knot a little low, which largely
+    cancels in the comparisons between lengths that the policy makes. A knot with fewer than `confirm_samples` samples is provisional: it is worth
     at most what the confirmed knots predict there. That is optimism where evidence is thin: one slow step (another
     process on the machine, the draft catching up after plain steps) cannot make a length look expensive and be
     avoided for good; if the length really is expensive, choosing it again adds samples until the knot is
@@ -381,8 +381,7 @@ class OnlineCostModel(PaddedCostModel):
         interference (where the draft's lookahead guess holds, one forward yields several tokens), so the fastest
         step would price every draft token at its luckiest."""
         fresh_from = self.steps_observed - self.stale_after
-        pick = _median if typical else min
-        points = {key: (pick([seconds for seconds, _ in values]), len(values)) for key, values in samples.items() if values}
+        points = _knot_points(samples, _median if typical else min)
         fresh = {key: sum(step > fresh_from for _, step in values) for key, values in samples.items()}
         base = PiecewiseLinear.fit({x: p for x, p in points.items() if fresh[x] >= self.confirm_samples})
         provisional = [x for x in points if fresh[x] < self.confirm_samples]
@@ -403,12 +402,18 @@ def _median(values: list[float]) -> float:
     return float(np.median(values))
 
 
+def _knot_points(
+    samples: dict[int, deque[tuple[float, int]]], pick: Callable[[list[float]], float]
+) -> dict[int, tuple[float, int]]:
+    """`{knot: (pick of its samples' seconds, number of samples)}` for every knot with samples."""
+    return {key: (pick([seconds for seconds, _ in values]), len(values)) for key, values in samples.items() if values}
+
+
 def _as_measured(
     samples: dict[int, deque[tuple[float, int]]], pick: Callable[[list[float]], float]
 ) -> PiecewiseLinear | None:
     """The knots as measured (`pick` of each knot's samples), none capped: see `OnlineCostModel.evidence`."""
-    points = {key: (pick([seconds for seconds, _ in values]), len(values)) for key, values in samples.items() if values}
-    return PiecewiseLinear.fit(points)
+    return PiecewiseLinear.fit(_knot_points(samples, pick))
 
 
 def _medians(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:
