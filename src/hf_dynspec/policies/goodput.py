@@ -300,7 +300,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def _choose(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
-        self.last_exploration, self.last_blocked, self._free = None, False, None
+        self.last_exploration, self.last_blocked, self._free, self._probing = None, False, None, False
         if batch == 0 or max_k == 0:
             return torch.zeros(batch, dtype=torch.long)
         catchup = self._catchup_seconds(request)
@@ -325,12 +325,12 @@ class GoodputPolicy(DraftLengthPolicy):
             if self.settings.probe_interval and self.plain_streak >= interval:
                 self.plain_streak = 0
                 lengths, self._free = self._search(request, caps, catchup, optimistic=True)
-                self._probing = bool((lengths > 0).any())
+                self._probing = True
         if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
             lengths = caps.clone()  # the marginal stop decides where each row's draft ends
         lengths = self._within_budget(request, lengths, catchup)
         if not bool((lengths > 0).any()):
-            self._free = None
+            self._free, self._probing = None, False  # a probe the budget stopped is no probe: the next step decides
         return lengths
 
     def _could_pay(self, request: PolicyInput, caps: torch.LongTensor) -> bool:
@@ -377,7 +377,7 @@ class GoodputPolicy(DraftLengthPolicy):
                                 self._booking_model())
             done = plain * float((accepted + 1).double().mean())
             self.budget.record(done, spent)
-            if self._probing and bool((proposed > 0).any()):
+            if self._probing:
                 # a probe that lost against plain steps makes the next one wait twice as long (at most 64 times)
                 self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF) if spent > done else 1
                 self._probing = False
