@@ -62,6 +62,23 @@ def test_calibrate_times_every_point_of_tiny_models() -> None:
     assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
 
 
+def test_calibrate_times_forwards_with_the_loops_kernel_and_records_it(monkeypatch) -> None:
+    from hf_dynspec import kernels
+
+    routed: list[int] = []
+    original = kernels.weight_first_linear
+    monkeypatch.setattr(kernels, "weight_first_linear", lambda x, w, b=None: routed.append(1) or original(x, w, b))
+    target, draft = tiny_pair(seed=0)
+    profile = calibrate(target, draft, CalibrationSettings(**FAST, narrow_linear="on"), progress=False)
+    assert routed and profile.narrow_rows == {"target": 64, "draft": 64}
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))).narrow_rows == profile.narrow_rows
+    routed.clear()
+    off = calibrate(target, draft, CalibrationSettings(**FAST, narrow_linear="off"), progress=False)
+    assert not routed and off.narrow_rows == {"target": 0, "draft": 0}
+    with pytest.raises(ValueError, match="narrow_linear"):
+        CalibrationSettings(narrow_linear="fast")
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

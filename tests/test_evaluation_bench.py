@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import StoppingCriteriaList
 
-from hf_dynspec import DynSpecConfig
+from hf_dynspec import DynSpecConfig, kernels
 from hf_dynspec.commands import bench as bench_command
 from hf_dynspec.evaluation import bench, methods, plots, report, runner
 from hf_dynspec.evaluation.data import random_token_prompts
@@ -106,6 +106,29 @@ def test_a_draft_variant_runs_beside_the_draft_in_one_run(pair):
     assert run._draft(methods.parse_method("dynspec-static:3")) is pair[1]
     with pytest.raises(ValueError, match="not loaded"):
         run.run(methods.parse_method("dynspec-static:3/8bit"), [[5, 6]], batch_size=1, progress=False)
+
+
+def test_narrow_modifier_runs_plain_and_hf_methods_weight_first(pair, monkeypatch):
+    parsed = {m.name: m for m in methods.parse_methods("plain,plain+narrow,hf-assisted/bf16+narrow")}
+    assert parsed["plain+narrow"].narrow and parsed["plain+narrow"].kind == "plain" and not parsed["plain"].narrow
+    assert parsed["hf-assisted/bf16+narrow"].draft_variant == "bf16" and parsed["hf-assisted/bf16+narrow"].narrow
+    with pytest.raises(MethodError, match="narrow_linear"):
+        methods.parse_method("dynspec-goodput+narrow")
+    with pytest.raises(MethodError, match="only modifier"):
+        methods.parse_method("plain+wide")
+    monkeypatch.setattr(runner, "narrow_rows", lambda model, setting: 64)  # as measured on a CPU where it is faster
+    routed: list[int] = []
+    original = kernels.weight_first_linear
+    monkeypatch.setattr(kernels, "weight_first_linear", lambda x, w, b=None: routed.append(1) or original(x, w, b))
+    settings = bench.BenchSettings(tiny=True, num_prompts=3, batch_sizes=[3], max_new_tokens=6, repetitions=1,
+                                   warmup_tokens=0, methods="plain,plain+narrow")
+    prompts = random_token_prompts(3, TINY_VOCAB, seed=2)
+    results = bench.run_benchmark(settings, target=pair[0], draft=pair[1], prompts=prompts, progress=False)
+    runs = {r["method"]: r for r in results["runs"]}
+    assert routed, "plain+narrow computes its three-row forwards weight-first"
+    assert runs["plain+narrow"]["matches_plain"] and runs["plain+narrow"]["mismatched_prompts"] == 0
+    assert runs["plain"]["matches_plain"] is None
+    assert set(results["config"]["narrow_rows"]) == {"target", "draft"}
 
 
 def test_bad_policy_option_and_unknown_policy():

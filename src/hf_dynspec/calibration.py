@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
+from .kernels import NARROW_LINEAR, narrow_linear, narrow_rows
 from .placement import input_device
 from .policies.batch_table import BatchTablePolicy
 
@@ -44,6 +45,10 @@ class CalibrationSettings:
     warmup: int = field(default=2, metadata={"help": "Untimed runs before each measured point."})
     repeats: int = field(default=5, metadata={"help": "Timed runs per point (the profile keeps their median)."})
     seed: int = field(default=0, metadata={"help": "Seed of the random token ids fed to the models."})
+    narrow_linear: str = field(
+        default="auto",
+        metadata={"help": "Time forwards as the loop runs them under this `DynSpecConfig.narrow_linear` setting."},
+    )
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "tokens_per_row"):
@@ -56,6 +61,8 @@ class CalibrationSettings:
                 raise ValueError(f"`{name}` must be strictly increasing without repeats, got {values!r}.")
         if self.tokens_per_row[0] != 1:
             raise ValueError(f"`tokens_per_row` must include 1 (the plain decoding step), got {self.tokens_per_row!r}.")
+        if self.narrow_linear not in NARROW_LINEAR:
+            raise ValueError(f"`narrow_linear` must be one of {list(NARROW_LINEAR)}, got {self.narrow_linear!r}.")
         for name, minimum in (("context_length", 1), ("warmup", 0), ("repeats", 1), ("seed", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -75,10 +82,18 @@ def time_call(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
 
 
 class _CachedForward:
-    """Forwards of `tokens_per_row` random tokens on top of a fixed `context_length`-token KV cache."""
+    """Forwards of `tokens_per_row` random tokens on top of a fixed `context_length`-token KV cache, with linear
+    layers over up to `narrow_rows` rows computed weight-first, as the loop computes them (`kernels.NarrowLinear`)."""
 
-    def __init__(self, model: PreTrainedModel, batch_size: int, context_length: int, generator: torch.Generator):
-        self.model = model
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        batch_size: int,
+        context_length: int,
+        generator: torch.Generator,
+        narrow_rows: int = 0,
+    ):
+        self.model, self.narrow_rows = model, narrow_rows
         self.device = input_device(model)  # works for offloaded models too (their embeddings may sit on `meta`)
         self.vocab = int(model.config.vocab_size)
         self.batch_size, self.context_length, self.generator = batch_size, context_length, generator
@@ -96,6 +111,10 @@ class _CachedForward:
         ids = torch.randint(self.vocab, (self.batch_size, width), generator=self.generator).to(self.device)
         positions = (offset + torch.arange(width)).unsqueeze(0).expand(self.batch_size, -1).to(self.device)
         mask = torch.ones((self.batch_size, offset + width), dtype=torch.long, device=self.device)
+        with narrow_linear(self.narrow_rows):
+            self._call(ids, mask, positions, keep)
+
+    def _call(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, keep: int) -> None:
         self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -115,7 +134,8 @@ def _time_forwards(
     bar: tqdm,
 ) -> list[tuple[int, list[float]]]:
     """`[(tokens, samples)]`: seconds of forwards of `tokens` new tokens per row, each after `warmup` untimed runs."""
-    forward = _CachedForward(model, batch_size, settings.context_length, generator)
+    narrow = narrow_rows(model, settings.narrow_linear)
+    forward = _CachedForward(model, batch_size, settings.context_length, generator, narrow)
     timed = []
     for tokens in tokens_per_row:
         timed.append((tokens, time_call(partial(forward, tokens, tokens), settings.warmup, settings.repeats)))
@@ -155,6 +175,7 @@ def calibrate(
         context_length=settings.context_length,
         warmup=settings.warmup,
         repeats=settings.repeats,
+        narrow_rows={role: narrow_rows(model, settings.narrow_linear) for role, model in (("target", target), ("draft", draft))},
         created=f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} on {platform.node()}",
     )
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .kernels import NARROW_LINEAR
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
@@ -90,6 +92,13 @@ class DynSpecConfig:
                   "decides every token (lossless); only acceptance can drop. None: the whole vocabulary (also used "
                   "when the draft's logits are not a plain linear map of its last hidden state)."},
     )
+    narrow_linear: str = field(
+        default="auto",
+        metadata={"help": "Linear layers of forwards over a few rows (verify forwards, draft lookahead, trees): 'auto' "
+                  "computes them weight-first (`(W @ x.T).T`) where that is measured faster, once per process and "
+                  "weight shape (float32 on a CPU; see `hf_dynspec.kernels`), 'on' always for float32 weights, 'off' "
+                  "never. One-row forwards are never changed."},
+    )
     compact_min_holes: int = field(
         default=32,
         metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
@@ -123,6 +132,8 @@ class DynSpecConfig:
             raise ValueError(f"`compact_hole_fraction` must be a number in (0, 1], got {self.compact_hole_fraction!r}.")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"`policy` must be a policy name such as 'static', got {self.policy!r}.")
+        if self.narrow_linear not in NARROW_LINEAR:
+            raise ValueError(f"`narrow_linear` must be one of {list(NARROW_LINEAR)}, got {self.narrow_linear!r}.")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"`proposer` must be one of {list(PROPOSERS)}, got {self.proposer!r}.")
         if not isinstance(self.policy_options, dict):

@@ -446,7 +446,8 @@ class Profile:
     """Step costs of a target/draft pair measured on one machine, as written by `hf-dynspec calibrate`.
 
     JSON form: `{"format": "hf_dynspec.profile", "version": 1, "target": ..., "draft": ..., "device": ...,
-    "dtype": ..., "context_length": ..., "warmup": ..., "repeats": ..., "target_forward": [{"batch_size",
+    "dtype": ..., "context_length": ..., "warmup": ..., "repeats": ..., "narrow_rows": {"target": ..., "draft": ...},
+    "target_forward": [{"batch_size",
     "tokens_per_row", "seconds", "samples"}, ...], "draft_forward": [{"batch_size", "seconds", "samples"}, ...]}`.
     """
 
@@ -459,6 +460,9 @@ class Profile:
     context_length: int = 0
     warmup: int = 0
     repeats: int = 0
+    narrow_rows: dict[str, int] = field(default_factory=dict)
+    """Per model (`target`, `draft`): the most rows its linear layers computed weight-first (`hf_dynspec.kernels`);
+    empty in profiles written before it was recorded."""
     created: str = ""
 
     def __post_init__(self) -> None:

@@ -98,7 +98,7 @@ class _Run:
         self.config = config
         self.logits_processor = logits_processor
         self.extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-        self.placement = Placement.of(input_ids.device, model, draft)
+        self.placement = Placement.of(input_ids.device, model, draft, config.narrow_linear)
         self.decisions = DecisionBroadcast.for_run(model, draft, self.placement)  # rank 0 decides when sharded
         self.do_sample = bool(generation_config.do_sample)
         eos = generation_config._eos_token_tensor
@@ -114,6 +114,8 @@ class _Run:
         self.output[:, :width] = input_ids
         self.output_generated = torch.zeros(num_rows, dtype=torch.long, device=input_ids.device)
         self.stats = DynSpecStats(batch_size=num_rows, prompt_length=width)
+        models = {"target": model, "draft": draft}
+        self.stats.narrow_rows = {role: self.placement.narrow_rows.get(id(m), 0) for role, m in models.items() if m}
         self.input_ids = input_ids
 
     def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:

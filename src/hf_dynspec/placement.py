@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from .cache import RaggedCache
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask
+from .kernels import narrow_linear, narrow_rows
 
 
 @functools.cache
@@ -103,12 +104,23 @@ class Placement:
     draft_device: torch.device | None
     cuda_devices: tuple[torch.device, ...] = ()
     """Devices `clock` waits for: all CUDA devices of both models (a device map may span several)."""
+    narrow_rows: dict[int, int] = field(default_factory=dict)
+    """Per model (by `id`): the most rows its forwards compute weight-first (`kernels.NarrowLinear`); absent or 0:
+    none."""
 
     @classmethod
-    def of(cls, loop_device: torch.device, target: PreTrainedModel, draft: PreTrainedModel | None) -> Placement:
+    def of(
+        cls,
+        loop_device: torch.device,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None,
+        narrow_linear: str = "off",
+    ) -> Placement:
+        """Where `target` and `draft` live; `narrow_linear` is `DynSpecConfig.narrow_linear` (see `narrow_rows`)."""
         devices = model_devices(target) | (model_devices(draft) if draft is not None else set()) | {loop_device}
         cuda = tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
-        return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None, cuda)
+        narrow = {id(m): narrow_rows(m, narrow_linear) for m in (target, draft) if m is not None}
+        return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None, cuda, narrow)
 
     def forward(
         self,
@@ -149,10 +161,11 @@ class Placement:
             past_key_values=cache.cache,
             use_cache=True,
         )
-        if head is not None:
-            hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
-            return self.logits_to_loop(head.logits(hidden))
-        output = model(**inputs, **logits_kwargs(model, keep))
+        with narrow_linear(self.narrow_rows.get(id(model), 0)):
+            if head is not None:
+                hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
+                return self.logits_to_loop(head.logits(hidden))
+            output = model(**inputs, **logits_kwargs(model, keep))
         return self.logits_to_loop(output.logits[:, -keep:])
 
     def logits_to_loop(self, logits: torch.Tensor) -> torch.Tensor:

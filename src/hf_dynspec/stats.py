@@ -65,6 +65,9 @@ class DynSpecStats:
     overhead_seconds: float = 0.0
     """`total_seconds` minus prefill, draft, catch-up and verify seconds: the loop's own work."""
     total_seconds: float = 0.0
+    narrow_rows: dict[str, int] = field(default_factory=dict)
+    """Per model (`target`, `draft`): the most rows of a forward whose linear layers were computed weight-first
+    (`DynSpecConfig.narrow_linear`; 0: none)."""
 
     @property
     def accounted_seconds(self) -> float:

@@ -21,6 +21,7 @@ import torch
 from ..calibration import CalibrationSettings, calibrate, parse_int_list, summarize, vllm_speculative_config
 from ..estimators import Profile
 from ..evaluation.models import DTYPES, LoadOptions, split_variant
+from ..kernels import NARROW_LINEAR
 from .bench import add_model_options
 
 
@@ -51,6 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     points.add_argument("--warmup", type=int, default=defaults.warmup, help="Untimed runs per point.")
     points.add_argument("--repeats", type=int, default=defaults.repeats, help="Timed runs per point (median kept).")
     points.add_argument("--seed", type=int, default=defaults.seed, help="Seed of the random inputs and tiny models.")
+    points.add_argument(
+        "--narrow-linear", choices=NARROW_LINEAR, default=defaults.narrow_linear,
+        help="Linear layers over a few rows computed weight-first, as the loop does with this "
+        "DynSpecConfig.narrow_linear (auto: where measured faster).",
+    )
     points.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
     output = parser.add_argument_group("output")
     output.add_argument("--out", metavar="PROFILE_JSON", help="Write the profile here.")
@@ -103,6 +109,7 @@ def _profile(args: argparse.Namespace) -> Profile:
         warmup=args.warmup,
         repeats=args.repeats,
         seed=args.seed,
+        narrow_linear=args.narrow_linear,
     )
     target, draft, names = _models(args)
     return calibrate(target, draft, settings, *names, progress=not args.no_progress)

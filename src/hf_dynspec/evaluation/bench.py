@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels import narrow_rows
 from .equivalence import classify, summarize
 from .methods import Method, check_policies, parse_methods
 from .models import (
@@ -301,9 +302,12 @@ def run_benchmark(
             entry.mismatched_tokens = max(e[1] for e in errors)
             if not settings.do_sample:
                 entry.equivalence = check_equivalence(entry.outcomes, reference, target.dtype)
+    config = _config_dict(settings, prompts, budgets)
+    # what `narrow_linear="auto"` (the loop's default, and `+narrow` methods) computes weight-first per model
+    config["narrow_rows"] = {role: narrow_rows(m, "auto") for role, m in (("target", target), ("draft", draft)) if m}
     return {
         "machine": machine_description(),
-        "config": _config_dict(settings, prompts, budgets),
+        "config": config,
         "runs": [_run_record(m, b, measured[(m.name, b)], settings) for b in settings.batch_sizes for m in methods],
         "traces": [_trace(m, b, measured[(m.name, b)]) for b in settings.batch_sizes for m in methods if m.kind == "dynspec"],
     }
@@ -363,11 +367,11 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
         "mean_accepted": outcome.mean_accepted(method),
         "target_forwards": outcome.target_forwards,
         "draft_forwards": outcome.draft_forwards,
-        "matches_plain": None if method.kind == "plain" else entry.mismatched_prompts == 0,
+        "matches_plain": None if method.name == "plain" else entry.mismatched_prompts == 0,
         "near_ties": entry.equivalence["near_tie"] if entry.equivalence else None,
         "mismatches": entry.equivalence["mismatch"] if entry.equivalence else None,
-        "mismatched_prompts": None if method.kind == "plain" else entry.mismatched_prompts,
-        "mismatched_tokens": None if method.kind == "plain" else entry.mismatched_tokens,
+        "mismatched_prompts": None if method.name == "plain" else entry.mismatched_prompts,
+        "mismatched_tokens": None if method.name == "plain" else entry.mismatched_tokens,
         "rows_one_at_a_time": not method.batched and batch_size > 1,
         "equivalence": entry.equivalence,
         **{name: outcome.times.get(name) if method.kind == "dynspec" else None for name in TIME_FIELDS},

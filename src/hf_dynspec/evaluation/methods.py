@@ -36,6 +36,8 @@ from ..config import DynSpecConfig
 POLICY_ALIASES = {"table": "batch_table"}
 """Short method names for policies (`dynspec-table` runs the `batch_table` policy)."""
 
+NARROW = "narrow"
+"""The `+narrow` method modifier."""
 DEFAULT_LOOKUP_TOKENS = 10
 DEFAULT_TREE_NODES = 12
 DEFAULT_TRIE_NODES = 10
@@ -55,6 +57,8 @@ class Method:
     dynspec_config: DynSpecConfig | None = field(default=None, hash=False)
     draft_variant: str | None = None
     """A variant of the bench's draft to run with (`models.VARIANTS`), or None for the draft as loaded."""
+    narrow: bool = False
+    """`plain` and `hf-*` methods: run `generate` inside `kernels.NarrowLinear` (the `+narrow` suffix)."""
 
     @property
     def batched(self) -> bool:
@@ -78,6 +82,9 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
     """The `Method` for `name` (see the module docstring for the accepted names)."""
     from .models import VARIANTS
 
+    stem, plus, modifier = name.strip().partition("+")
+    if plus:
+        return _with_narrow(name.strip(), parse_method(stem, policy_options), modifier)
     stem, slash, variant = name.strip().partition("/")
     if not slash:
         return _parse_stem(name, policy_options)
@@ -87,6 +94,18 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
     if not method.uses_draft:
         raise MethodError(f"Method {stem!r} uses no draft model, so {name!r} has no draft to vary; drop '/{variant}'.")
     return dataclasses.replace(method, name=name.strip(), draft_variant=variant)
+
+
+def _with_narrow(name: str, method: Method, modifier: str) -> Method:
+    """`method` run inside `kernels.NarrowLinear` (`+narrow`)."""
+    if modifier != NARROW:
+        raise MethodError(f"In method {name!r} the only modifier after '+' is '{NARROW}'.")
+    if method.kind == "dynspec":
+        raise MethodError(
+            f"Method {name!r}: dynspec methods choose their kernel with the option narrow_linear "
+            f"(e.g. --policy-option goodput@stock.narrow_linear=off); drop '+{NARROW}'."
+        )
+    return dataclasses.replace(method, name=name, narrow=True)
 
 
 def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> Method:

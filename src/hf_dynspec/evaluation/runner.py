@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
+from ..kernels import narrow_linear, narrow_rows
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
 
@@ -169,6 +170,7 @@ class Runner:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._policies: dict[str, Any] = {}
         self._draft_configs: dict[str, Any] = {}
+        self._narrow_rows = narrow_rows(target, "auto")  # `+narrow` methods: what the loop measures for the target
         self._target_counter = ForwardCounter(target)
         self._draft_counters = [ForwardCounter(m) for m in (draft, *self.variant_drafts.values())]
 
@@ -241,13 +243,13 @@ class Runner:
         )
         if budgets is not None:
             kwargs["stopping_criteria"] = StoppingCriteriaList([RowBudgets(input_ids, budgets)])
-        recorder = MarginRecorder() if method.kind == "plain" and not self.do_sample else None
+        recorder = MarginRecorder() if method.name == "plain" and not self.do_sample else None
         if recorder is not None:
             kwargs["logits_processor"] = LogitsProcessorList([recorder])
         if self.do_sample:
             torch.manual_seed(self.seed)
         start, cpu_start = time.perf_counter(), time.process_time()
-        with torch.inference_mode():
+        with torch.inference_mode(), narrow_linear(self._narrow_rows if method.narrow else 0):
             output = self._call(method, kwargs)
         outcome.seconds += time.perf_counter() - start
         outcome.cpu_seconds += time.process_time() - cpu_start

@@ -1,0 +1,200 @@
+"""Linear layers over a few rows, computed weight-first where that is faster: [`NarrowLinear`].
+
+A verify forward multiplies `batch * (1 + k)` rows of activations by every weight matrix of the target. At one row
+that is a matrix-vector product, bound by reading the weight once; a few rows should cost hardly more. CPU BLAS
+libraries do not always see it that way: on an AMD EPYC with AVX2 (MKL, float32), `F.linear(x, W)` (that is
+`x @ W.T`) over the default target's MLP weight costs 2.3x one row for 2 rows and 3.2x for 4, while the same product
+taken weight-first, `(W @ x.T).T`, costs 1.0x and 1.2x. A whole target forward over 5 tokens per row then costs 1.4x
+one token instead of 3.6x, which decides whether speculation can pay at all on such a CPU.
+
+[`NarrowLinear`] is a `TorchFunctionMode` the loop enters around its own forwards (`Placement.forward`): inside it,
+`F.linear` over 2 to `max_rows` rows with a float32 (or float64) CPU weight is computed weight-first, and every other
+call runs unchanged. Products over one row (every plain step at batch 1, and every step of plain `generate` at batch
+1) are never touched.
+Both orders compute the same sums in a different order, so logits agree to float32 rounding, as they already do
+between a one-row and a many-row forward.
+
+Whether weight-first is faster, and up to how many rows, depends on the CPU, the BLAS and the weight shape:
+[`narrow_rows`] measures it once per process for the model's largest linear layer (`DynSpecConfig.narrow_linear`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+NARROW_LINEAR = ("auto", "on", "off")
+"""Values of `DynSpecConfig.narrow_linear`."""
+
+MAX_NARROW_ROWS = 64
+"""The most rows `narrow_linear="on"` computes weight-first, and the widest product `auto` measures."""
+
+MEASURED_ROWS = (2, 4, 8, 16, 32, 64)
+"""Row counts `auto` times both ways."""
+
+MIN_SPEEDUP = 1.05
+"""`auto` computes weight-first up to the widest measured row count at which it, and every narrower one, is at
+least this much faster."""
+
+_MEASURED: dict[tuple, int] = {}
+"""`narrow_rows` decisions per (weight shape, dtype, threads): measured once per process."""
+
+Timer = Callable[[str, int, Callable[[], object]], float]
+"""`timer(kind, rows, fn)`: seconds of one call of `fn`, a product over `rows` rows computed as `kind`."""
+
+
+def weight_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed as `(weight @ x.T).T`.
+
+    Args:
+        x: `[..., in_features]` activations.
+        weight: `[out_features, in_features]`.
+        bias: `[out_features]` or `None`.
+
+    Returns:
+        `[..., out_features]`, contiguous.
+    """
+    rows = x.reshape(-1, x.shape[-1])  # [rows, in]
+    if bias is None:
+        out = torch.mm(weight, rows.t())  # [out, rows]
+    else:
+        out = torch.addmm(bias.unsqueeze(1), weight, rows.t())  # [out, rows]
+    return out.t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+FLOAT_DTYPES = (torch.float32, torch.float64)
+"""Dtypes computed weight-first: those CPU BLAS libraries multiply themselves (bfloat16 and float16 go through oneDNN,
+whose narrow products were not found slower than weight-first ones)."""
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Plain CPU tensors of one of `FLOAT_DTYPES` only: no tensor subclass (DTensor, quantized parameters), no
+    autograd."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return (
+        all(type(t) in plain and t.device.type == "cpu" and t.dtype == weight.dtype for t in tensors)
+        and weight.dtype in FLOAT_DTYPES
+        and weight.dim() == 2
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
+
+
+class NarrowLinear(TorchFunctionMode):
+    """Inside this mode, `F.linear` over 2 to `max_rows` rows of float32 (or float64) CPU tensors runs weight-first.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_dynspec.kernels import NarrowLinear
+    >>> layer = torch.nn.Linear(8, 4)
+    >>> x = torch.randn(3, 8)
+    >>> with NarrowLinear(max_rows=16):
+    ...     y = layer(x)
+    >>> torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-6)
+    True
+    ```
+    """
+
+    def __init__(self, max_rows: int) -> None:
+        super().__init__()
+        self.max_rows = max_rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and self.max_rows >= 2:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+            if 2 <= rows <= self.max_rows and _eligible(x, weight, bias):
+                return weight_first_linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def narrow_linear(max_rows: int) -> contextlib.AbstractContextManager:
+    """[`NarrowLinear`]`(max_rows)`, or a context that changes nothing (and costs nothing) when `max_rows < 2`."""
+    return NarrowLinear(max_rows) if max_rows >= 2 else contextlib.nullcontext()
+
+
+def largest_linear_shape(model: torch.nn.Module) -> tuple[int, int] | None:
+    """`(out_features, in_features)` of the model's largest `nn.Linear` other than its output embeddings (which are
+    as large as several decoder layers and would make measuring slow); the output embeddings when nothing else is
+    linear; `None` when the model has no `nn.Linear` at all."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    body = [m for m in layers if m is not head] or layers
+    if not body:
+        return None
+    largest = max(body, key=lambda m: m.out_features * m.in_features)
+    return largest.out_features, largest.in_features
+
+
+def narrow_rows(model: torch.nn.Module, setting: str, timer: Timer | None = None) -> int:
+    """The most rows [`NarrowLinear`] computes weight-first for `model` under `DynSpecConfig.narrow_linear`.
+
+    `"off"`: 0. `"on"`: `MAX_NARROW_ROWS` for float32 and float64 models, 0 otherwise. `"auto"`: for such a model
+    whose weights compute on the CPU, the widest of `MEASURED_ROWS` up to which weight-first beats `F.linear` by
+    `MIN_SPEEDUP` at every measured width (timed once per process, weight shape and dtype, on a random matrix of the
+    model's largest linear shape); 0 for other models.
+
+    Args:
+        model: the target or the draft.
+        setting: `"auto"`, `"on"` or `"off"`.
+        timer: `timer(kind, rows, fn)`, the seconds one call of `fn` takes (`kind` is `"linear"` or
+            `"weight_first"`); measures anew when given (for tests).
+    """
+    if setting not in NARROW_LINEAR:
+        raise ValueError(f"`narrow_linear` must be one of {list(NARROW_LINEAR)}, got {setting!r}.")
+    dtype = _model_dtype(model)
+    if setting == "off" or dtype not in FLOAT_DTYPES:
+        return 0
+    if setting == "on":
+        return MAX_NARROW_ROWS
+    shape = largest_linear_shape(model)
+    if shape is None or not _computes_on_cpu(model):
+        return 0
+    key = (shape, dtype, torch.get_num_threads())
+    if key not in _MEASURED or timer is not None:
+        _MEASURED[key] = _measure(shape, dtype, timer or _median_seconds)
+    return _MEASURED[key]
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    return getattr(model, "dtype", None) or next((p.dtype for p in model.parameters()), None)
+
+
+def _computes_on_cpu(model: torch.nn.Module) -> bool:
+    """Whether the model's weights are used on the CPU (offloaded weights on `meta` are loaded to the CPU)."""
+    from .placement import model_devices  # placement imports this module
+
+    devices = model_devices(model)
+    return bool(devices) and all(device.type == "cpu" for device in devices)
+
+
+def _measure(shape: tuple[int, int], dtype: torch.dtype, timer: Timer) -> int:
+    """The widest of `MEASURED_ROWS` up to which weight-first is `MIN_SPEEDUP` faster at every width, or 0."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator, dtype=dtype)  # [out, in]
+    widest = 0
+    with torch.inference_mode():
+        for rows in MEASURED_ROWS:
+            x = torch.randn(rows, shape[1], generator=generator, dtype=dtype)  # [rows, in]
+            stock = timer("linear", rows, lambda x=x: F.linear(x, weight))
+            first = timer("weight_first", rows, lambda x=x: weight_first_linear(x, weight))
+            if first * MIN_SPEEDUP > stock:
+                break
+            widest = rows
+    return widest
+
+
+def _median_seconds(kind: str, rows: int, fn: Callable[[], object]) -> float:
+    """Median seconds of 5 calls of `fn` after 2 untimed ones (`kind` and `rows` name what is timed)."""
+    from .calibration import time_call  # calibration imports placement, which imports this module
+
+    return statistics.median(time_call(fn, warmup=2, repeats=5))

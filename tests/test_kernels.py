@@ -1,0 +1,153 @@
+"""Weight-first linear layers for narrow products (`hf_dynspec.kernels`): same values, right calls, honest choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import left_padded_prompts, perturbed, tiny_model
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig, kernels
+from hf_dynspec.kernels import MAX_NARROW_ROWS, NarrowLinear, narrow_rows, weight_first_linear
+from hf_dynspec.placement import Placement
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 16), (3, 5, 16), (1, 7, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_first_equals_linear(dtype, shape, with_bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator, dtype=dtype)
+    weight = torch.randn(24, 16, generator=generator, dtype=dtype)
+    bias = torch.randn(24, generator=generator, dtype=dtype) if with_bias else None
+    out = weight_first_linear(x, weight, bias)
+    expected = F.linear(x, weight, bias)
+    assert out.shape == expected.shape and out.is_contiguous()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+class _Spy:
+    """Counts the rows of every product `NarrowLinear` routes weight-first."""
+
+    def __init__(self, monkeypatch):
+        self.rows: list[int] = []
+        original = kernels.weight_first_linear
+
+        def spy(x, weight, bias=None):
+            self.rows.append(x.numel() // x.shape[-1])
+            return original(x, weight, bias)
+
+        monkeypatch.setattr(kernels, "weight_first_linear", spy)
+
+
+def test_mode_routes_only_narrow_float_products_on_plain_cpu_tensors(monkeypatch):
+    spy = _Spy(monkeypatch)
+    layer = torch.nn.Linear(16, 8)
+    with torch.inference_mode(), NarrowLinear(max_rows=6):
+        layer(torch.randn(1, 16))  # one row: a plain decoding step
+        layer(torch.randn(2, 3, 16))  # 6 rows
+        layer(torch.randn(7, 16))  # wider than max_rows
+        layer.to(torch.bfloat16)(torch.randn(4, 16, dtype=torch.bfloat16))  # bfloat16 goes to oneDNN as before
+        layer.to(torch.float32)
+        torch.matmul(torch.randn(3, 16), layer.weight.t())  # not F.linear
+    assert spy.rows == [6]
+    layer(torch.randn(3, 16))  # outside the mode
+    assert spy.rows == [6]
+
+
+def test_mode_leaves_autograd_and_tensor_subclasses_alone(monkeypatch):
+    spy = _Spy(monkeypatch)
+    layer = torch.nn.Linear(16, 8)
+
+    class Marked(torch.Tensor):
+        pass
+
+    with NarrowLinear(max_rows=8):
+        out = layer(torch.randn(3, 16))  # weights require grad and grad mode is on
+        out.sum().backward()
+        with torch.no_grad():
+            F.linear(torch.randn(3, 16).as_subclass(Marked), layer.weight)
+            layer(torch.randn(3, 16))
+    assert layer.weight.grad is not None
+    assert spy.rows == [3]
+
+
+def test_narrow_rows_settings():
+    model32 = tiny_model("llama", seed=0, dtype=torch.float32)
+    assert narrow_rows(model32, "off") == 0
+    assert narrow_rows(model32, "on") == MAX_NARROW_ROWS
+    assert narrow_rows(tiny_model("llama", seed=0, dtype=torch.bfloat16), "on") == 0
+    with pytest.raises(ValueError, match="narrow_linear"):
+        narrow_rows(model32, "always")
+    with pytest.raises(ValueError, match="narrow_linear"):
+        DynSpecConfig(narrow_linear="yes")
+
+
+def _timer(faster_up_to: int):
+    """Weight-first takes half the time of `F.linear` up to `faster_up_to` rows and twice as long beyond."""
+
+    def timer(kind: str, rows: int, fn) -> float:
+        fn()
+        if kind == "linear":
+            return 1.0
+        return 0.5 if rows <= faster_up_to else 2.0
+
+    return timer
+
+
+@pytest.mark.parametrize("faster_up_to, expected", [(0, 0), (1, 0), (2, 2), (8, 8), (12, 8), (10_000, 64)])
+def test_auto_takes_the_widest_product_measured_faster(faster_up_to, expected):
+    model = tiny_model("qwen2", seed=0, dtype=torch.float32)
+    assert narrow_rows(model, "auto", timer=_timer(faster_up_to)) == expected
+    assert narrow_rows(tiny_model("qwen2", seed=0, dtype=torch.bfloat16), "auto", timer=_timer(64)) == 0
+
+
+def test_auto_measures_the_largest_linear_but_the_head():
+    model = tiny_model("llama", seed=0, dtype=torch.float32)  # MLP 64 x 32, head 96 x 32
+    assert kernels.largest_linear_shape(model) == (64, 32)
+    seen: list[int] = []
+
+    def timer(kind, rows, fn):
+        seen.append(rows)
+        return 1.0
+
+    narrow_rows(model, "auto", timer=timer)
+    assert seen == [2, 2]  # equal times: not faster, so measuring stops at the first width
+
+
+def test_placement_computes_verify_forwards_weight_first(monkeypatch):
+    spy = _Spy(monkeypatch)
+    target = tiny_model("llama", seed=1, dtype=torch.float32)
+    draft = perturbed(target, scale=0.05)
+    assert Placement.of(torch.device("cpu"), target, draft, "on").narrow_rows == {id(target): 64, id(draft): 64}
+    assert Placement.of(torch.device("cpu"), target, draft, "off").narrow_rows == {id(target): 0, id(draft): 0}
+    ids, mask = left_padded_prompts([5, 8], seed=1)
+    for setting, routed in (("off", False), ("on", True)):
+        spy.rows.clear()
+        target.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, assistant_model=draft,
+            custom_generate=hf_dynspec.speculative_loop,
+            dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=3, narrow_linear=setting),
+        )
+        assert bool(spy.rows) == routed
+        assert all(2 <= rows <= MAX_NARROW_ROWS for rows in spy.rows)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tree_node_budget", [0, 8])
+def test_weight_first_forwards_match_plain_greedy(family, dtype, tree_node_budget):
+    target = tiny_model(family, seed=4, dtype=dtype)
+    draft = perturbed(target, scale=0.05, seed=2)
+    ids, mask = left_padded_prompts([3, 9, 6, 12, 1], seed=8)
+    expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=5, narrow_linear="on",
+                           tree_node_budget=tree_node_budget, compact_min_holes=1, compact_hole_fraction=0.1)
+    out = target.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop, dynspec_config=config, return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, expected)
+    assert out.dynspec_stats.accepted_tokens > 0 and out.dynspec_stats.compactions > 0
