@@ -107,3 +107,31 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
         assert best_fixed > plain
         bound = GoodputSettings().loss_budget if block == 0 else 0.01
         assert controller <= plain * (1 + bound), f"block {block}: {plain / controller:.3f}x plain"
+
+
+
+def avx2_narrow_calls(acceptance: list[float]) -> list[Environment]:
+    """One-row calls of 32 tokens on float32 costs of an AVX2 CPU with narrow products: a step drafting one token
+    costs 1.6x a plain one and emits up to 2; each call's draft first catches up on its prompt (about 1.6 plain
+    steps)."""
+    return [Environment(acceptance=(a,), budgets=(32,), prompt_tokens=20, v0=0.471, flat_tokens=6, draft_ratio=0.4,
+                        multi_token_factor=1.07, max_draft_tokens=4) for a in acceptance]
+
+
+def drafting_steps(calls: list[Environment]) -> list[int]:
+    policy = GoodputPolicy(GoodputSettings())  # one policy serves every call, as `generate` keeps it
+    return [simulate(policy, env, seed).drafting_steps for seed, env in enumerate(calls)]
+
+
+def test_new_calls_draft_where_the_catch_up_is_repaid_over_the_call() -> None:
+    """Each new call's catch-up is shared by the tokens the call has left. Charged instead to the fewest, longest
+    steps, it priced every short draft out of these calls after the second."""
+    steps = drafting_steps(avx2_narrow_calls([0.78, 0.83, 0.97, 0.92, 0.69, 0.85, 0.79, 0.86]))
+    assert steps[1] > 0 and sum(steps[2:]) >= 30, steps
+
+
+def test_probing_spans_calls_shorter_than_the_probe_interval() -> None:
+    """After calls where drafting stopped paying, later calls with high acceptance draft again: the plain steps that
+    lead to a probe are counted across calls (31-step calls never reached the 32 of `probe_interval` one by one)."""
+    steps = drafting_steps(avx2_narrow_calls([0.77, 0.72, 0.83, 0.89, 0.96, 0.86, 0.79, 0.77]))
+    assert sum(steps[3:]) >= 10, steps

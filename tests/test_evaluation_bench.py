@@ -274,7 +274,7 @@ def test_scenario_presets_and_overrides():
     settings = bench_command.settings_from_args(_parse(["--scenario", "offload", "--policy-option",
                                                         "goodput@marginal.window=5"]))
     assert settings.policy_options == {"goodput@marginal": {"early_stop": "marginal", "window": 5}}
-    assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "1GiB"}
+    assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "35%"}
     assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": {"early_stop": "marginal"}}
 
 

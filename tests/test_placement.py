@@ -293,6 +293,27 @@ def test_max_memory_parsing_and_option_checks():
         models.LoadOptions(quantization="3bit")
     with pytest.raises(ValueError, match="`max_memory` must be a dict"):
         models.LoadOptions(max_memory="cpu=1GiB")
+    assert models.parse_max_memory("cpu=35%") == {"cpu": "35%"}
+    for bad in ("cpu=0%", "cpu=150%", "cpu=many%"):
+        with pytest.raises(ValueError, match="share of the weights"):
+            models.parse_max_memory(bad)
+    with pytest.raises(ValueError, match="weight_share_limits"):
+        models.LoadOptions(max_memory={"cpu": "35%"}).from_pretrained_kwargs(torch.float32)
+
+
+def test_a_share_of_the_weights_is_the_same_part_of_the_model_in_every_dtype(saved, tmp_path):
+    location = models.ModelLocation(str(saved / "target"))
+    parameters = sum(p.numel() for p in load(saved / "target").parameters())
+    for dtype in (torch.float32, torch.bfloat16):
+        limits = models.weight_share_limits({"cpu": "50%", 0: "1GiB"}, location, dtype)
+        assert limits == {"cpu": int(parameters * dtype.itemsize * 0.5), 0: "1GiB"}
+    assert models.weight_share_limits({"cpu": "1GiB"}, location, torch.float32) == {"cpu": "1GiB"}
+    offloaded = models.load_model(
+        location, models.LoadOptions(dtype="float32", max_memory={"cpu": "30%"}, offload_folder=str(tmp_path / "o"))
+    )
+    assert "disk" in offloaded.hf_device_map.values()
+    assert offloaded.hf_dynspec_load["max_memory"] == {"cpu": "30%"}
+    assert offloaded.hf_dynspec_load["max_memory_bytes"] == {"cpu": int(parameters * 4 * 0.3)}
 
 
 def test_load_model_offloads_and_quantizes_as_asked(saved, tmp_path):
@@ -346,7 +367,7 @@ def test_bench_offload_scenario_and_per_model_options():
     settings = bench_command.settings_from_args(parse("bench", ["--scenario", "offload"]))
     assert settings.batch_sizes == [1] and settings.dtype == "auto"
     assert settings.methods == "plain,hf-assisted,dynspec-goodput@marginal:16,dynspec-tree:32:16"
-    assert settings.target_max_memory == {"cpu": "1GiB"} and settings.target_offload_folder
+    assert settings.target_max_memory == {"cpu": "35%"} and settings.target_offload_folder
     argv = ["--scenario", "offload", "--target-max-memory", "cpu=2GiB,0=8GiB", "--draft", "qwen2.5-coder-0.5b@4bit",
             "--target-dtype", "float32", "--draft-quantization", "8bit", "--draft-offload-folder", "/tmp/d"]
     settings = bench_command.settings_from_args(parse("bench", argv))

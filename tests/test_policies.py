@@ -28,6 +28,7 @@ from hf_dynspec.policies import (
     GoodputSettings,
     HeuristicPolicy,
     PolicyInput,
+    PrefillFeedback,
     StepFeedback,
     ThresholdPolicy,
     best_draft_lengths,
@@ -530,6 +531,23 @@ def test_marginal_stop_drafts_long_when_verifying_is_free_and_short_when_it_cost
     costly.reset(1)
     costly.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([38]))
     assert 2 <= drafted_until_stop(costly, sure) <= 4
+
+
+def test_marginal_stop_may_draft_past_the_pessimistic_length_once_that_length_pays() -> None:
+    """Late in a call the cap's worst case is no longer repaid twice over, the pessimistic length's still is: without
+    the marginal stop the step is capped there; with it the row may draft on, token by token while each pays."""
+
+    def requested(early_stop) -> int:
+        verify = PiecewiseLinear.fit({1: (1.0, 1), 3: (1.1, 1), 17: (2.0, 1), 64: (6.0, 1)})
+        policy = GoodputPolicy(GoodputSettings(early_stop=early_stop),
+                               cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.3, 1)})))
+        policy.reset(1)
+        policy.observe_prefill(PrefillFeedback(1, 150, 2.0, 0.3))
+        policy.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([30]))
+        return int(policy.draft_lengths(request(1, 16, remaining=15))[0])
+
+    assert requested(None) == 5
+    assert requested("marginal") == 14  # the row's cap: 15 tokens left
 
 
 def test_marginal_stop_keeps_a_stopped_row_stopped() -> None:

@@ -70,7 +70,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{role}-quantization", choices=QUANTIZATIONS,
                            help=f"bitsandbytes quantization of the {role} (default none).")
         group.add_argument(f"--{role}-max-memory", type=_max_memory, metavar="DEVICE=SIZE,...",
-                           help=f"accelerate max_memory of the {role}, e.g. cpu=1GiB; the rest is offloaded.")
+                           help=f"accelerate max_memory of the {role}, e.g. cpu=1GiB, or a share of its weights, "
+                           "cpu=35%; the rest is offloaded.")
         group.add_argument(f"--{role}-offload-folder", metavar="DIR",
                            help=f"Directory for the {role}'s weights offloaded to disk.")
 

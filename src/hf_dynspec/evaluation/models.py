@@ -365,7 +365,9 @@ def resolve_dtype(requested: str, location: ModelLocation, device: str | torch.d
 
 
 def parse_max_memory(text: str | None) -> dict[int | str, str] | None:
-    """`"cpu=1GiB,0=10GiB"` -> `{"cpu": "1GiB", 0: "10GiB"}` (accelerate's `max_memory`); `None`/empty -> `None`."""
+    """`"cpu=1GiB,0=10GiB"` -> `{"cpu": "1GiB", 0: "10GiB"}` (accelerate's `max_memory`); `None`/empty -> `None`.
+
+    A size may also be a share of the model's weights, `cpu=35%` (see `weight_share_limits`)."""
     if not text:
         return None
     limits: dict[int | str, str] = {}
@@ -375,8 +377,41 @@ def parse_max_memory(text: str | None) -> dict[int | str, str] | None:
             raise ValueError(
                 f"max_memory must be DEVICE=SIZE pairs such as cpu=1GiB or 0=10GiB,cpu=30GiB, got {text!r}."
             )
+        if size.endswith("%") and not _is_share(size):
+            raise ValueError(f"A share of the weights is a number of percent in (0, 100], got {size!r} in {text!r}.")
         limits[int(device) if device.isdigit() else device] = size
     return limits
+
+
+def _is_share(size: str) -> bool:
+    try:
+        return size.endswith("%") and 0 < float(size[:-1]) <= 100
+    except ValueError:
+        return False
+
+
+def weight_share_limits(
+    max_memory: dict[int | str, str], location: ModelLocation, dtype: torch.dtype
+) -> dict[int | str, str | int]:
+    """`max_memory` with every share (`"35%"`) replaced by that share of the model's weight bytes in `dtype`.
+
+    A share keeps a scenario the same across dtypes: `cpu=35%` holds about a third of the layers in memory whether the
+    weights are bfloat16 or float32. The bytes are counted on the model built from its config on the meta device (tied
+    weights once), so nothing is loaded.
+    """
+    if not any(isinstance(size, str) and size.endswith("%") for size in max_memory.values()):
+        return dict(max_memory)
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(location.path, **location.from_pretrained_kwargs())
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for p in skeleton.parameters()) * dtype.itemsize
+    return {
+        device: int(weights * float(size[:-1]) / 100) if isinstance(size, str) and size.endswith("%") else size
+        for device, size in max_memory.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -434,6 +469,8 @@ class LoadOptions:
             kwargs["device_map"] = "auto"
             if self.max_memory is not None:
                 kwargs["max_memory"] = dict(self.max_memory)  # from_pretrained rewrites it in place
+                if any(str(size).endswith("%") for size in self.max_memory.values()):
+                    raise ValueError("Resolve shares of the weights (`cpu=35%`) with `weight_share_limits` first.")
             if self.offload_folder is not None:
                 kwargs["offload_folder"] = self.offload_folder
         elif self.quantization != "none" or self.device != "cpu":
@@ -507,12 +544,17 @@ def load_model(
     source = location
     if location.gguf_file and (options.quantization != "none" or options.dispatched):
         source = dequantized_checkpoint(location, resolved, cache_dir)
+    placed = options
+    if options.max_memory is not None:
+        placed = dataclasses.replace(options, max_memory=weight_share_limits(options.max_memory, source, resolved))
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, **options.from_pretrained_kwargs(resolved), **source.from_pretrained_kwargs()
+        source.path, **placed.from_pretrained_kwargs(resolved), **source.from_pretrained_kwargs()
     )
     if location.eos_token_ids:
         model.generation_config.eos_token_id = list(location.eos_token_ids)
     model.hf_dynspec_load = options.record(resolved)
+    if placed.max_memory != options.max_memory:
+        model.hf_dynspec_load["max_memory_bytes"] = {str(k): v for k, v in placed.max_memory.items()}
     return model.eval()
 
 

@@ -98,6 +98,7 @@ def best_draft_lengths(
     max_draft_tokens: int,
     cost_model: StepCostModel,
     min_gain: float = 0.0,
+    share_per_token: float = 0.0,
 ) -> torch.LongTensor:
     """`[batch]` draft lengths maximising expected tokens per second (`sum_i E_i(k_i) / C(k)`).
 
@@ -113,6 +114,8 @@ def best_draft_lengths(
         max_draft_tokens: the loop's maximum draft length.
         cost_model: prices candidate vectors (`candidate_seconds`).
         min_gain: speculate only when it beats plain decoding by this fraction of its rate.
+        share_per_token: seconds a vector that drafts adds per expected emitted token: a one-off cost (the draft's
+            catch-up) spread over the tokens the call has left, so every step carries its share of it.
     """
     lengths, tokens = candidate_lengths(acceptance, caps, max_draft_tokens)
     if lengths.shape[0] == 1:
@@ -123,6 +126,8 @@ def best_draft_lengths(
             f"{type(cost_model).__name__}.candidate_seconds must return {tokens.shape[0]} finite positive seconds, "
             f"got shape {seconds.shape} with minimum {seconds.min() if seconds.size else 'n/a'}."
         )
+    drafts = lengths.numpy().max(axis=1) > 0  # [candidates]
+    seconds = seconds + share_per_token * tokens.numpy() * drafts
     rates = tokens.numpy() / seconds
     best = int(np.argmax(rates))
     if best and rates[best] < rates[0] * (1.0 + min_gain):
@@ -285,7 +290,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self.lookup_acceptance.reset(num_rows)
         if self.stopper is not None:
             self.stopper.reset(num_rows)
-        self.plain_streak = 0  # the loss budget spans every call the policy serves
+        # The loss budget and the count of plain steps since the last draft span every call the policy serves:
+        # calls shorter than `probe_interval` would otherwise never probe again once drafting stopped paying.
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
@@ -499,7 +505,8 @@ class GoodputPolicy(DraftLengthPolicy):
     def _affordable_lengths(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
         """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing, or,
         when speculation repays the step's extra cost twice over even at pessimistic acceptance, capped at the
-        longest draft that pays at that acceptance (kept whole under the marginal stop, which ends drafts itself)."""
+        longest draft that pays at that acceptance (kept whole under the marginal stop, which ends drafts itself
+        where their next token stops paying)."""
         batch = request.batch_size
         plain = self._plain_seconds(batch)
         future = plain * float(request.remaining_tokens.max())
@@ -511,9 +518,11 @@ class GoodputPolicy(DraftLengthPolicy):
         if extra(lengths) <= 0:
             return lengths
         savings, longest = self._pessimistic_savings(request, future)
-        if self.marginal and longest > 0 and savings >= 2.0 * extra(lengths):
-            return lengths  # the marginal stop ends each draft where the draft's own confidence says it stops paying
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
+        if self.marginal and longest > 0 and savings >= 2.0 * extra(invested):
+            # The marginal stop ends each draft where its next token stops paying by the draft's own confidence, so
+            # tokens past the pessimistic length are drafted only while each one is expected to pay for itself.
+            return lengths
         if self._free is not None:
             invested = torch.where(self._free, lengths, invested)  # lookup rows cost verify width only
         if longest > 0 and savings >= 2.0 * extra(invested):
@@ -553,14 +562,13 @@ class GoodputPolicy(DraftLengthPolicy):
         z, rows, max_k = self.settings.probe_z, request.row_ids, request.max_draft_tokens
         by_draft = self.acceptance.upper(rows, z) if optimistic else self.acceptance.mean(rows)
         costs = self.cost_model.optimistic() if optimistic and isinstance(self.cost_model, OnlineCostModel) else None
-        # The catch-up is paid once and serves every later step: spread it over the steps the remaining tokens take
-        # when every row drafts as far as its cap allows at this acceptance. That is the fewest steps, so a long
-        # draft's catch-up is never sold cheaper than it is (at batch 16 in float32 the draft's catch-up over the
-        # prompts costs about ten plain steps, which a handful of four-token steps cannot repay).
-        per_step = float(expected_tokens(by_draft, caps).max()) if caps.numel() else 1.0
-        catchup /= max(1.0, float(request.remaining_tokens.max()) / per_step)
-        priced = _WithCatchup(costs or self.cost_model, catchup)
-        lengths = best_draft_lengths(by_draft, caps, max_k, priced, self.settings.min_gain)
+        # The catch-up is paid once and serves every later step: each candidate carries the share of it that its
+        # expected tokens are of the tokens the call has left. A step that emits a tenth of them pays a tenth: over
+        # the rest of the call, drafting this way then pays exactly the catch-up (a short draft is not charged for
+        # the fewer, longer steps of a long one). Whether it may be paid at all is the loss budget's question.
+        share = catchup / max(1.0, float(request.remaining_tokens.sum()))
+        model = costs or self.cost_model
+        lengths = best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share)
         if request.free_lengths is None:
             return lengths, None
         by_lookup = self.lookup_acceptance.upper(rows, z) if optimistic else self.lookup_acceptance.mean(rows)
@@ -572,31 +580,18 @@ class GoodputPolicy(DraftLengthPolicy):
         lookup_only = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(self.cost_model))
         better = (lookup_caps > 0) & (expected_tokens(by_lookup, lookup_caps) >= expected_tokens(by_draft, caps))
         mixed = best_draft_lengths(
-            torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), longest, priced
+            torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), longest, model, 0.0, share
         )
         options = [(lengths, torch.zeros_like(better)), (lookup_only, lookup_only > 0), (mixed, better & (mixed > 0))]
-        return max(options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, catchup))
+        return max(options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, share))
 
-    def _rate(self, batch, option, by_draft: torch.Tensor, by_lookup: torch.Tensor, catchup: float) -> float:
+    def _rate(self, batch, option, by_draft: torch.Tensor, by_lookup: torch.Tensor, share: float) -> float:
+        """Expected tokens per second of `option` (lengths, lookup rows), with the catch-up's `share` per token when
+        a draft forward runs."""
         lengths, free = option
-        tokens = expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum()
-        return float(tokens) / self._price(batch, lengths, free, catchup)
-
-
-class _WithCatchup(StepCostModel):
-    """A cost model plus a fixed catch-up price on every vector that drafts."""
-
-    def __init__(self, inner: StepCostModel, catchup: float) -> None:
-        self.inner, self.catchup = inner, catchup
-
-    def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
-        extra = self.catchup if lengths.numel() and int(lengths.max()) > 0 else 0.0
-        return self.inner.step_seconds(batch_size, lengths) + extra
-
-    def candidate_seconds(self, batch_size: int, lengths: torch.LongTensor) -> torch.Tensor:
-        seconds = torch.as_tensor(self.inner.candidate_seconds(batch_size, lengths), dtype=torch.float64)
-        drafts = (lengths.max(dim=1).values > 0) if lengths.shape[1] else torch.zeros(lengths.shape[0], dtype=torch.bool)
-        return seconds + self.catchup * drafts.double()
+        tokens = float(expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum())
+        forwards = draft_model_forwards(lengths, free)
+        return tokens / (self._price(batch, lengths, free, 0.0) + (share * tokens if forwards else 0.0))
 
 
 def _measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
