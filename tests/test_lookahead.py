@@ -13,6 +13,7 @@ import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.candidates.draft_model import DraftModelProposer
 from hf_dynspec.placement import Placement
+from hf_dynspec.policies import DraftLengthPolicy, PolicyInput
 from hf_dynspec.sequences import TokenBatch
 
 
@@ -72,15 +73,52 @@ def test_lookahead_keeps_greedy_identity_with_eos_and_compaction(policy):
     assert torch.equal(out.sequences, plain)
 
 
-def test_lookahead_is_off_with_an_early_stop():
+@pytest.mark.parametrize("lengths", [[11], [11, 7, 13]])
+def test_lookahead_with_an_early_stop_that_never_stops_drafts_the_same_chain_in_fewer_forwards(lengths):
     target = tiny_model("llama", seed=0)
     draft = perturbed(target, scale=0.05)
-    ids, mask = repetitive_prompts([11, 7], seed=2)
-    config = dict(policy="confidence", num_speculative_tokens=6, policy_options={"threshold": 0.0})
-    with_lookahead = speculate(target, draft, ids, mask, draft_lookahead=5, **config)
-    without = speculate(target, draft, ids, mask, draft_lookahead=0, **config)
-    assert with_lookahead.dynspec_stats.draft_forwards == without.dynspec_stats.draft_forwards
-    assert torch.equal(with_lookahead.sequences, without.sequences)
+    ids, mask = repetitive_prompts(lengths, seed=2)
+    config = dict(policy="confidence", num_speculative_tokens=6, prompt_lookup_max_tokens=6,
+                  policy_options={"threshold": 0.0, "adaptive": False})
+    ahead = speculate(target, draft, ids, mask, draft_lookahead=5 * len(lengths), **config)
+    stepwise = speculate(target, draft, ids, mask, draft_lookahead=0, **config)
+    assert torch.equal(ahead.sequences, stepwise.sequences)
+    assert [s.draft_lengths for s in ahead.dynspec_stats.steps] == [s.draft_lengths for s in stepwise.dynspec_stats.steps]
+    assert ahead.dynspec_stats.draft_forwards <= stepwise.dynspec_stats.draft_forwards
+    if len(lengths) == 1:  # a batch saves a forward only when every row's guesses hit
+        assert ahead.dynspec_stats.draft_forwards < stepwise.dynspec_stats.draft_forwards
+
+
+class StopAfterTwo(DraftLengthPolicy):
+    """Asks for 6 draft tokens and stops every row after its second; records the positions it was asked about."""
+
+    def __init__(self):
+        self.judged: list[tuple[int, int]] = []  # (row id, position)
+
+    def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
+        return torch.full((request.batch_size,), 6, dtype=torch.long)
+
+    def continue_drafting(self, row_ids, position, draft_probs):
+        positions = torch.as_tensor(position).expand(row_ids.shape[0])
+        self.judged += list(zip(row_ids.tolist(), positions.tolist()))
+        return positions < 1
+
+
+@pytest.mark.parametrize("lookahead", [0, 10])
+def test_a_row_an_early_stop_ends_draws_no_more_tokens_even_guessed_ones(lookahead):
+    target = tiny_model("llama", seed=0)
+    draft = target  # the draft agrees with the target, so lookup guesses from a repetitive prompt often hold
+    ids, mask = repetitive_prompts([11, 7, 13], seed=2)
+    policy = StopAfterTwo()
+    out = target.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, assistant_model=draft,
+        custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True, dynspec_policy=policy,
+        dynspec_config=DynSpecConfig(num_speculative_tokens=6, draft_lookahead=lookahead, prompt_lookup_max_tokens=6),
+    )
+    assert torch.equal(out.sequences, target.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                                      max_new_tokens=24))
+    assert all(k <= 2 for step in out.dynspec_stats.steps for k in step.draft_lengths)
+    assert {position for _, position in policy.judged} == {0, 1}  # every drawn token judged, at its own position
 
 
 def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # noqa: F811
@@ -117,10 +155,10 @@ def test_negative_lookahead_is_refused():
         DynSpecConfig(draft_lookahead=-1)
 
 
-def test_policies_without_an_early_stop_leave_lookahead_on():
+def test_policies_that_stop_early_or_not():
     from hf_dynspec.policies import GoodputPolicy, GoodputSettings, build_policy
 
-    assert not GoodputPolicy().stops_early  # goodput's stop is opt-in: without it, drafts ride lookup guesses
+    assert not GoodputPolicy().stops_early  # goodput's stop is opt-in
     assert GoodputPolicy(GoodputSettings(early_stop="marginal")).stops_early
     assert build_policy(DynSpecConfig(policy="confidence")).stops_early
     assert not build_policy(DynSpecConfig(policy="static")).stops_early

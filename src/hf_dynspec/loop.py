@@ -290,7 +290,7 @@ class _Run:
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
         if not self.policy.stops_early:
             return None
-        return lambda position, probs: self.policy.continue_drafting(row_ids, position, probs)
+        return lambda rows, positions, probs: self.policy.continue_drafting(row_ids[rows], positions, probs)
 
     def _target_forward(
         self,

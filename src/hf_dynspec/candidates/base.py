@@ -11,9 +11,10 @@ import torch
 from ..sequences import TokenBatch
 from .tree import TokenTree
 
-# Called after each draft position with (position, draft probability of each proposed token `[batch]`); returns
-# `[batch]` bool, False where a row stops drafting, or None to keep going.
-EarlyStop = Callable[[int, torch.Tensor], "torch.BoolTensor | None"]
+# Called after each draft token with (rows `[n]`: indices into the step's batch of the rows that just drew one,
+# positions `[n]`: the token's index in each row's draft, the draft's probability of each token `[n]`); returns `[n]`
+# bool, False where a row stops drafting, or None to keep going.
+EarlyStop = Callable[[torch.LongTensor, torch.LongTensor, torch.Tensor], "torch.BoolTensor | None"]
 
 
 @dataclass

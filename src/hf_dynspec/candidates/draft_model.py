@@ -96,12 +96,12 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         yields several draft tokens. The chain is the one drafting token by token would give (greedy: the same tokens;
         sampling: the same draws from the same `q`); only forwards are saved. Tokens a forward yields this way may
         run past the row's length, up to `prompt_lookup_max_tokens` (`_reach`): they cost no forward, only verify
-        width. Lookahead is off with an early stop, which judges every row at the same position.
+        width. An early stop judges every token as it is drawn, and a row it stops draws nothing more.
         """
         lengths = lengths.clone()
         ids, mask, positions = self._unseen_tail(batch)  # [batch, tail]
-        lookahead = self.config.draft_lookahead if early_stop is None else 0
-        reach = self._reach(batch, lengths, lookahead)  # [batch]
+        lookahead = self.config.draft_lookahead
+        reach = self._reach(batch, lengths, lookahead).clone()  # [batch] (cut in place by an early stop)
         chain = _Chain(batch.batch_size, int(reach.max()) if reach.numel() else 0, lengths.device)
         fed: list[torch.LongTensor] = []  # per forward: [batch, columns] node of each column after the tail, or -1
         while bool((chain.done < lengths).any()):
@@ -112,7 +112,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
                 torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guesses.shape[1],
             )  # [batch, 1 + g, vocab]
             before = chain.done.clone()
-            lengths = self._walk(batch, chain, scores, (guesses, guessed), lengths, reach, early_stop)
+            lengths, reach = self._walk(batch, chain, scores, (guesses, guessed), lengths, reach, early_stop)
             matched = torch.arange(guesses.shape[1], device=lengths.device) < (chain.done - before - 1).unsqueeze(1)
             self.ragged.set_last(guessed * matched)  # guesses past a row's first mismatch become holes now
             nodes = torch.where(guessed.bool() & matched, before.unsqueeze(1) + offsets, -1)  # [batch, g]
@@ -166,10 +166,11 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         lengths: torch.LongTensor,
         reach: torch.LongTensor,
         early_stop: EarlyStop | None,
-    ) -> torch.LongTensor:
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
         """Draw draft tokens from one forward's `scores` (`[batch, 1 + g, vocab]`): position 0 follows each row's newest
         token, position `j` follows guess `j - 1` (`guess`: tokens and mask, `[batch, g]`), valid while every earlier
-        guess matched the draw. Returns `lengths`, shortened where `early_stop` ends a row."""
+        guess matched the draw. Returns `lengths` and `reach`, both cut to the tokens drawn where `early_stop` ends a
+        row."""
         guesses, guessed = guess
         walking = torch.ones_like(chain.done, dtype=torch.bool)  # [batch] every guess so far matched
         for j in range(scores.shape[1]):
@@ -179,18 +180,20 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
                 active = walking & (chain.done < reach) & guessed[:, j - 1].bool()
             if not bool(active.any()):
                 break
-            rows = torch.arange(batch.batch_size, device=lengths.device) if early_stop else active.nonzero().squeeze(1)
+            rows = active.nonzero().squeeze(1)
             processed = process_path_logits(
                 self.logits_processor, batch, rows, chain.tokens[rows], chain.done[rows], scores[rows, j]
             )  # [rows, vocab]
             token, token_probs = self._select(processed)
-            if early_stop is not None:  # rows draft in step: every forward is one position
-                lengths = self._apply_early_stop(early_stop, chain.forwards, token, token_probs, processed, lengths)
-                token, token_probs = token[active], token_probs[active] if token_probs is not None else None
+            if early_stop is not None:
+                stopped = self._early_stopped(early_stop, rows, chain.done[rows], token, token_probs, processed)
+                drawn = chain.done[rows] + 1  # [rows] tokens of each row once this one is appended
+                lengths[rows] = torch.where(stopped, drawn.minimum(lengths[rows]), lengths[rows])
+                reach[rows] = torch.where(stopped, drawn, reach[rows])
             chain.append(active, token, token_probs)
             if j < guesses.shape[1]:
                 walking = active & (chain.last() == guesses[:, j])
-        return lengths
+        return lengths, reach
 
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         """Draft-cache columns of accepted nodes stay, the other fed nodes become holes; the tail is now seen."""
@@ -249,21 +252,22 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         return torch.multinomial(probs, 1).squeeze(1), probs
 
     @staticmethod
-    def _apply_early_stop(
+    def _early_stopped(
         early_stop: EarlyStop,
-        position: int,
+        rows: torch.LongTensor,
+        positions: torch.LongTensor,
         token: torch.LongTensor,
         token_probs: torch.Tensor | None,
         scores: torch.Tensor,
-        lengths: torch.LongTensor,
-    ) -> torch.LongTensor:
+    ) -> torch.BoolTensor:
+        """`[rows]` True where `early_stop` ends the row's draft after the token it just drew (`token`, `[rows]`, at
+        `positions`, from the processed `scores` `[rows, vocab]`)."""
         probs = token_probs if token_probs is not None else scores.softmax(dim=-1)
-        confidence = probs.gather(1, token.unsqueeze(1)).squeeze(1)  # [batch]
-        keep_going = early_stop(position, confidence)
+        confidence = probs.gather(1, token.unsqueeze(1)).squeeze(1)  # [rows]
+        keep_going = early_stop(rows, positions, confidence)
         if keep_going is None:
-            return lengths
-        stop = ~keep_going.to(lengths.device) & (lengths > position + 1)
-        return torch.where(stop, torch.full_like(lengths, position + 1), lengths)
+            return torch.zeros_like(rows, dtype=torch.bool)
+        return ~keep_going.to(rows.device)
 
     # ---- transformers CandidateGenerator interface (batch size 1) -------------------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:

@@ -102,7 +102,7 @@ class DecisionRecorder(DraftLengthPolicy):
         self.policy.observe(feedback)
 
     def continue_drafting(
-        self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
+        self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
         return self.policy.continue_drafting(row_ids, position, draft_probs)
 

@@ -108,21 +108,22 @@ class DraftLengthPolicy(ABC):
 
     @property
     def stops_early(self) -> bool:
-        """Whether `continue_drafting` may stop rows (the loop then judges every row at each draft position, and
-        draft lookahead is off). True when a subclass overrides `continue_drafting`."""
+        """Whether `continue_drafting` may stop rows (the loop then judges every draft token as it is drawn). True
+        when a subclass overrides `continue_drafting`."""
         return type(self).continue_drafting is not DraftLengthPolicy.continue_drafting
 
     def continue_drafting(
-        self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
+        self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
-        """Early stop while drafting.
+        """Early stop while drafting, called for the rows that just drew a draft token.
 
         Args:
-            row_ids: `[batch]` original indices of the rows still drafting.
-            position: index (0-based) of the draft token just proposed.
-            draft_probs: `[batch]` the draft's probability of the token it just proposed.
+            row_ids: `[n]` original indices of those rows.
+            position: index (0-based) of the token just drawn in each row's draft: one for all, or `[n]` (with draft
+                lookahead one forward may yield several tokens of a row, so rows may be at different positions).
+            draft_probs: `[n]` the draft's probability of the token it just drew.
 
         Returns:
-            `[batch]` bool, `False` where the row should stop after this token, or `None` to keep every row going.
+            `[n]` bool, `False` where the row should stop after this token, or `None` to keep every row going.
         """
         return None

@@ -1,6 +1,6 @@
 """`confidence`: a row stops drafting as soon as the draft is unsure of its own token.
 
-After every draft position the loop calls `continue_drafting` with the draft's probability `q` of the token it just
+After every draft token the loop calls `continue_drafting` with the draft's probability `q` of the token it just
 proposed; a row whose `q` is below the threshold keeps that token and stops. This is the rule of transformers'
 `assistant_confidence_threshold` (`ConfidenceCriteria`), and the threshold adapts the way transformers adapts it: from
 the recent draft tokens (their `q`, and whether the verifier accepted them: accepted tokens are positives, the first
@@ -69,17 +69,22 @@ class ConfidenceStopper:
         """Start a `generate` call (the judged-token history and the threshold carry over)."""
         self._pending = torch.full((num_rows, 0), math.nan, dtype=torch.float64)
 
-    def continue_drafting(self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor) -> torch.BoolTensor:
-        """`[batch]` True where the row's draft probability `draft_probs` (`[batch]`) reaches the threshold."""
+    def continue_drafting(
+        self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
+    ) -> torch.BoolTensor:
+        """`[n]` True where the row's draft probability `draft_probs` (`[n]`) reaches the threshold."""
         return self.record(row_ids, position, draft_probs) >= self.threshold
 
-    def record(self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor) -> torch.Tensor:
-        """Keep the draft probabilities `[batch]` of draft position `position` until the step is judged; returns them
-        as float64 on the CPU."""
+    def record(
+        self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
+    ) -> torch.Tensor:
+        """Keep the draft probabilities `[n]` of rows `row_ids` (`[n]`) at draft position `position` (one for all, or
+        `[n]`, one per row) until the step is judged; returns them as float64 on the CPU."""
         rows = row_ids.cpu().long()
+        positions = torch.as_tensor(position, dtype=torch.long).expand(rows.shape[0])
         probs = draft_probs.detach().to("cpu", torch.float64)
-        self._grow(int(rows.max()) + 1 if rows.numel() else 0, position + 1)
-        self._pending[rows, position] = probs
+        self._grow(int(rows.max()) + 1 if rows.numel() else 0, int(positions.max()) + 1 if rows.numel() else 0)
+        self._pending[rows, positions] = probs
         return probs
 
     def acceptance_given(self, probs: torch.Tensor) -> torch.Tensor:
@@ -189,6 +194,6 @@ class ConfidencePolicy(DraftLengthPolicy):
         self.stopper.observe(feedback)
 
     def continue_drafting(
-        self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
+        self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
         return self.stopper.continue_drafting(row_ids, position, draft_probs)

@@ -271,10 +271,12 @@ class GoodputPolicy(DraftLengthPolicy):
         self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.stopper = _build_stopper(s.early_stop)
         self.marginal = s.early_stop == MARGINAL_STOP
-        self._requested = torch.zeros(0, dtype=torch.long)  # [batch] the step's requested lengths
-        self._drafting = torch.zeros(0, dtype=torch.bool)  # [batch] rows of the step still drafting (marginal stop)
-        self._path = torch.zeros(0, dtype=torch.float64)  # [batch] chance that every draft token so far is accepted
-        self._expected = torch.zeros(0, dtype=torch.float64)  # [batch] expected emitted tokens of the step so far
+        # The marginal stop's state of the current step, indexed by original row id (`PolicyInput.row_ids`):
+        self._step_rows = torch.zeros(0, dtype=torch.long)  # [batch] the step's rows
+        self._drafting = torch.zeros(0, dtype=torch.bool)  # [rows] still drafting
+        self._path = torch.zeros(0, dtype=torch.float64)  # [rows] chance that every draft token so far is accepted
+        self._expected = torch.zeros(0, dtype=torch.float64)  # [rows] expected emitted tokens of the step so far
+        self._told = torch.zeros(0, dtype=torch.bool)  # [rows] `draft_lengths` set the row's state for this step
         self.budget = LossBudget(s.loss_budget)
         self.catchup = CatchupCost(s.window)
         self.plain_streak = 0
@@ -300,8 +302,18 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
         lengths = self._choose(request)
-        self._requested = lengths  # the marginal stop follows only the rows that draft
+        self._start_drafts(request.row_ids.cpu().long(), lengths)  # the marginal stop follows the rows that draft
         return lengths
+
+    def _start_drafts(self, row_ids: torch.LongTensor, lengths: torch.LongTensor) -> None:
+        rows = int(row_ids.max()) + 1 if row_ids.numel() else 0
+        self._step_rows = row_ids
+        self._drafting = torch.zeros(rows, dtype=torch.bool)
+        self._drafting[row_ids] = lengths.cpu() > 0
+        self._path = torch.ones(rows, dtype=torch.float64)
+        self._expected = torch.ones(rows, dtype=torch.float64)
+        self._told = torch.zeros(rows, dtype=torch.bool)
+        self._told[row_ids] = True
 
     def _choose(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
@@ -407,38 +419,56 @@ class GoodputPolicy(DraftLengthPolicy):
         return self.stopper is not None
 
     def continue_drafting(
-        self, row_ids: torch.LongTensor, position: int, draft_probs: torch.Tensor
+        self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
         """With `early_stop='marginal'`: row `i` drafts one more token when that token's expected tokens per extra
         second beat the step's expected tokens per second so far,
 
             P_i * a_i / (C(j + 1) - C(j))  >=  sum_r E_r / C(j),
 
-        where `P_i` is the chance that all `j = position + 1` draft tokens so far are accepted (the product of their
+        where `P_i` is the chance that all draft tokens of row `i` so far are accepted (the product of their
         calibrated acceptances given the draft's probabilities, `ConfidenceStopper.acceptance_given`), `a_i` the
-        row's acceptance estimate for the next token, `E_r = 1 + sum of the P_r` along the way and `C(j)` the price
-        of a step with `j` draft tokens per row. Greedy stopping on the ratio: when verifying is nearly free (an
-        offloaded target) drafts run long wherever the draft is sure; when every verified token costs, they stop
-        early. Otherwise the confidence threshold stop, or none."""
+        row's acceptance estimate for the next token, `E_r = 1 + sum of the P_r` along the way for every row of the
+        step, `j` the longest draft so far among the judged rows and `C(j)` the price of a step with `j` draft
+        tokens per row. Greedy stopping on the ratio: when verifying is nearly free (an offloaded target) drafts run
+        long wherever the draft is sure; when every verified token costs, they stop early. Rows are judged token by
+        token, each at its own position (with draft lookahead one forward may yield several tokens of a row).
+        Otherwise the confidence threshold stop, or none."""
         if self.stopper is None:
             return None
         if not self.marginal:
             return self.stopper.continue_drafting(row_ids, position, draft_probs)
-        probs = self.stopper.record(row_ids, position, draft_probs)  # [batch]
-        batch, drafted = probs.shape[0], position + 1
-        if position == 0 or self._path.shape[0] != batch:
-            self._path = torch.ones(batch, dtype=torch.float64)
-            self._expected = torch.ones(batch, dtype=torch.float64)
-            requested = self._requested if self._requested.shape[0] == batch else torch.ones(batch, dtype=torch.long)
-            self._drafting = requested > position
-        self._path = torch.where(self._drafting, self._path * self.stopper.acceptance_given(probs), self._path)
-        self._expected = torch.where(self._drafting, self._expected + self._path, self._expected)
+        rows = row_ids.cpu().long()
+        positions = torch.as_tensor(position, dtype=torch.long).expand(rows.shape[0])
+        probs = self.stopper.record(rows, positions, draft_probs)  # [n]
+        self._cover(rows, positions)
+        drafting = self._drafting[rows]
+        path = torch.where(drafting, self._path[rows] * self.stopper.acceptance_given(probs), self._path[rows])
+        self._path[rows] = path
+        self._expected[rows] = torch.where(drafting, self._expected[rows] + path, self._expected[rows])
+        batch, drafted = int(self._step_rows.numel()), int(positions.max()) + 1
         now = self._chain_seconds(batch, drafted)
         extra = max(self._chain_seconds(batch, drafted + 1) - now, 1e-9)
-        gain = self._path * self.acceptance.mean(row_ids)  # [batch] expected tokens the next draft token adds
-        keep = self._drafting & (gain * now >= extra * float(self._expected.sum()))
-        self._drafting = keep
+        gain = path * self.acceptance.mean(rows)  # [n] expected tokens the next draft token adds
+        keep = drafting & (gain * now >= extra * float(self._expected[self._step_rows].sum()))
+        self._drafting[rows] = keep
         return keep
+
+    def _cover(self, rows: torch.LongTensor, positions: torch.LongTensor) -> None:
+        """Make room for rows the step's `draft_lengths` did not cover (`continue_drafting` called on its own), and
+        start such a row's draft afresh at its first token: drafting, with an empty path."""
+        needed = int(rows.max()) + 1 if rows.numel() else 0
+        if needed > self._drafting.shape[0]:
+            grow = needed - self._drafting.shape[0]
+            self._drafting = torch.cat([self._drafting, torch.ones(grow, dtype=torch.bool)])
+            self._path = torch.cat([self._path, torch.ones(grow, dtype=torch.float64)])
+            self._expected = torch.cat([self._expected, torch.ones(grow, dtype=torch.float64)])
+            self._told = torch.cat([self._told, torch.zeros(grow, dtype=torch.bool)])
+        first = rows[positions == 0]
+        untold = first[~self._told[first]]
+        self._drafting[untold], self._path[untold], self._expected[untold] = True, 1.0, 1.0
+        self._step_rows = torch.cat([self._step_rows, untold]).unique()
+        self._told[first] = False  # a later token at position 0 starts a new draft
 
     # ---- pricing -----------------------------------------------------------------------------------------------
     def _plain_seconds(self, batch: int) -> float:
