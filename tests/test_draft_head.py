@@ -157,7 +157,7 @@ def test_the_bench_counts_every_forward_of_a_narrowed_draft(llama):
     out = llama.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=3, draft_vocab_size=24),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=3, draft_vocab_size=24),
     )
     assert counter.take() == out.dynspec_stats.draft_forwards > 0
     counter.remove()

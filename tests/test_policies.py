@@ -533,6 +533,17 @@ def test_marginal_stop_drafts_long_when_verifying_is_free_and_short_when_it_cost
     assert 2 <= drafted_until_stop(costly, sure) <= 4
 
 
+def test_marginal_stop_drafts_through_a_step_in_the_cost_curve_that_later_tokens_repay() -> None:
+    """Verifying 4 or 5 tokens costs 0.45 s, 6 to 17 tokens 0.6 s (a knot timed fast by chance, or a kernel's tile
+    boundary): the 5th draft token alone does not pay for the step, but the ten after it ride on it for free."""
+    verify = PiecewiseLinear.fit({1: (0.45, 1), 5: (0.45, 1), 6: (0.6, 1), 64: (0.6, 1)})
+    policy = GoodputPolicy(GoodputSettings(early_stop="marginal", loss_budget=None),
+                           cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.01, 1)})))
+    policy.reset(1)
+    policy.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([38]))
+    assert drafted_until_stop(policy, [0.95] * 16) >= 12
+    assert drafted_until_stop(policy, [0.95] * 4 + [0.02] + [0.95] * 11) == 5  # an unsure draft token still ends it
+
 def test_marginal_stop_may_draft_past_the_pessimistic_length_once_that_length_pays() -> None:
     """Late in a call the cap's worst case is no longer repaid twice over, the pessimistic length's still is: without
     the marginal stop the step is capped there; with it the row may draft on, token by token while each pays."""

@@ -45,6 +45,9 @@ from .confidence import ConfidenceSettings, ConfidenceStopper
 COST_MODELS = ("online", "profile")
 MAX_PROBE_BACKOFF = 64
 MARGINAL_STOP = "marginal"
+MARGINAL_HORIZON = 8
+"""The marginal stop weighs drafting up to this many more tokens, so a local step in the measured cost curve (a
+knot timed fast by chance, a tile boundary of the matrix kernels) does not end drafts that pay over a few tokens."""
 
 
 def candidate_lengths(
@@ -277,6 +280,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self._path = torch.zeros(0, dtype=torch.float64)  # [rows] chance that every draft token so far is accepted
         self._expected = torch.zeros(0, dtype=torch.float64)  # [rows] expected emitted tokens of the step so far
         self._told = torch.zeros(0, dtype=torch.bool)  # [rows] `draft_lengths` set the row's state for this step
+        self._requested = torch.zeros(0, dtype=torch.long)  # [rows] the step's requested draft lengths
         self.budget = LossBudget(s.loss_budget)
         self.catchup = CatchupCost(s.window)
         self.plain_streak = 0
@@ -314,6 +318,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self._expected = torch.ones(rows, dtype=torch.float64)
         self._told = torch.zeros(rows, dtype=torch.bool)
         self._told[row_ids] = True
+        self._requested = torch.zeros(rows, dtype=torch.long)
+        self._requested[row_ids] = lengths.cpu().long()
 
     def _choose(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
@@ -421,10 +427,11 @@ class GoodputPolicy(DraftLengthPolicy):
     def continue_drafting(
         self, row_ids: torch.LongTensor, position: int | torch.LongTensor, draft_probs: torch.Tensor
     ) -> torch.BoolTensor | None:
-        """With `early_stop='marginal'`: row `i` drafts one more token when that token's expected tokens per extra
-        second beat the step's expected tokens per second so far,
+        """With `early_stop='marginal'`: row `i` drafts one more token when, for some `w` up to `MARGINAL_HORIZON`
+        (and the row's requested length), drafting `w` more tokens adds expected tokens per extra second that beat
+        the step's expected tokens per second so far,
 
-            P_i * a_i / (C(j + 1) - C(j))  >=  sum_r E_r / C(j),
+            P_i * (a_i + a_i^2 + ... + a_i^w) / (C(j + w) - C(j))  >=  sum_r E_r / C(j),
 
         where `P_i` is the chance that all draft tokens of row `i` so far are accepted (the product of their
         calibrated acceptances given the draft's probabilities, `ConfidenceStopper.acceptance_given`), `a_i` the
@@ -447,12 +454,22 @@ class GoodputPolicy(DraftLengthPolicy):
         self._path[rows] = path
         self._expected[rows] = torch.where(drafting, self._expected[rows] + path, self._expected[rows])
         batch, drafted = int(self._step_rows.numel()), int(positions.max()) + 1
-        now = self._chain_seconds(batch, drafted)
-        extra = max(self._chain_seconds(batch, drafted + 1) - now, 1e-9)
-        gain = path * self.acceptance.mean(rows)  # [n] expected tokens the next draft token adds
-        keep = drafting & (gain * now >= extra * float(self._expected[self._step_rows].sum()))
+        horizons = (self._requested[rows] - positions - 1).clamp(min=1, max=MARGINAL_HORIZON)  # [n]
+        now, extra = self._extra_seconds(batch, drafted, int(horizons.max()))  # extra: [horizon]
+        acceptance = self.acceptance.mean(rows).double()  # [n]
+        further = torch.arange(1, extra.shape[0] + 1, dtype=torch.float64)  # [horizon] tokens drafted on
+        gains = path.unsqueeze(1) * (acceptance.unsqueeze(1) ** further).cumsum(1)  # [n, horizon] expected tokens
+        pays = gains * now >= extra.unsqueeze(0) * float(self._expected[self._step_rows].sum())  # [n, horizon]
+        keep = drafting & (pays & (further <= horizons.unsqueeze(1))).any(dim=1)
         self._drafting[rows] = keep
         return keep
+
+    def _extra_seconds(self, batch: int, drafted: int, horizon: int) -> tuple[float, torch.Tensor]:
+        """Price `C(j)` of a step whose rows draft `j = drafted` tokens, and `[horizon]` the extra seconds
+        `C(j + w) - C(j)` of drafting `w = 1..horizon` more."""
+        now = self._chain_seconds(batch, drafted)
+        later = [self._chain_seconds(batch, drafted + w) for w in range(1, horizon + 1)]
+        return now, (torch.tensor(later, dtype=torch.float64) - now).clamp(min=1e-9)
 
     def _cover(self, rows: torch.LongTensor, positions: torch.LongTensor) -> None:
         """Make room for rows the step's `draft_lengths` did not cover (`continue_drafting` called on its own), and
@@ -464,6 +481,7 @@ class GoodputPolicy(DraftLengthPolicy):
             self._path = torch.cat([self._path, torch.ones(grow, dtype=torch.float64)])
             self._expected = torch.cat([self._expected, torch.ones(grow, dtype=torch.float64)])
             self._told = torch.cat([self._told, torch.zeros(grow, dtype=torch.bool)])
+            self._requested = torch.cat([self._requested, torch.zeros(grow, dtype=torch.long)])
         first = rows[positions == 0]
         untold = first[~self._told[first]]
         self._drafting[untold], self._path[untold], self._expected[untold] = True, 1.0, 1.0
