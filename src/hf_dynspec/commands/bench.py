@@ -71,7 +71,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                            help=f"bitsandbytes quantization of the {role} (default none).")
         group.add_argument(f"--{role}-max-memory", type=_max_memory, metavar="DEVICE=SIZE,...",
                            help=f"accelerate max_memory of the {role}, e.g. cpu=1GiB, or a share of its weights, "
-                           "cpu=35%; the rest is offloaded.")
+                           "cpu=35%%; the rest is offloaded.")
         group.add_argument(f"--{role}-offload-folder", metavar="DIR",
                            help=f"Directory for the {role}'s weights offloaded to disk.")
 
