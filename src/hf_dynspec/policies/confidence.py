@@ -81,7 +81,7 @@ class ConfidenceStopper:
         """Keep the draft probabilities `[n]` of rows `row_ids` (`[n]`) at draft position `position` (one for all, or
         `[n]`, one per row) until the step is judged; returns them as float64 on the CPU."""
         rows = row_ids.cpu().long()
-        positions = torch.as_tensor(position, dtype=torch.long).expand(rows.shape[0])
+        positions = torch.as_tensor(position).to("cpu", torch.long).expand(rows.shape[0])
         probs = draft_probs.detach().to("cpu", torch.float64)
         self._grow(int(rows.max()) + 1 if rows.numel() else 0, int(positions.max()) + 1 if rows.numel() else 0)
         self._pending[rows, positions] = probs

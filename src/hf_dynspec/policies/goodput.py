@@ -446,7 +446,7 @@ class GoodputPolicy(DraftLengthPolicy):
         if not self.marginal:
             return self.stopper.continue_drafting(row_ids, position, draft_probs)
         rows = row_ids.cpu().long()
-        positions = torch.as_tensor(position, dtype=torch.long).expand(rows.shape[0])
+        positions = torch.as_tensor(position).to("cpu", torch.long).expand(rows.shape[0])
         probs = self.stopper.record(rows, positions, draft_probs)  # [n]
         self._cover(rows, positions)
         drafting = self._drafting[rows]
