@@ -10,6 +10,7 @@ import hf_dynspec.loop
 from hf_dynspec.evaluation import bench, report
 from hf_dynspec.evaluation.data import random_token_prompts
 from hf_dynspec.evaluation.equivalence import (
+    CONTENDERS,
     TIE_ULPS,
     MarginRecorder,
     RowMargins,
@@ -55,9 +56,14 @@ def test_ulp_and_rounding_bound():
 
 
 # ---- classify on hand-built rows -------------------------------------------------------------------------------------
-def _margins(margin: float, top1_value: float = 3.0) -> RowMargins:
-    """Plain's tokens 5 6 7 with runner-ups 8 9 10; the given margin at position 1, large margins elsewhere."""
-    return RowMargins(top1=[5, 6, 7], runner_up=[8, 9, 10], margin=[2.0, margin, 2.0], top1_value=[3.0, top1_value, 3.0])
+def _margins(margin: float, top1_value: float = 3.0, third: float = 1.5) -> RowMargins:
+    """Plain's tokens 5 6 7 with runner-ups 8 9 10; the given margin at position 1, large margins elsewhere.
+
+    Token 11 is third best at position 1, `third` below plain's token.
+    """
+    gaps = [{8: 2.0, 13: 2.5}, {9: margin, 11: max(third, margin)}, {10: 2.0}]
+    return RowMargins(top1=[5, 6, 7], runner_up=[8, 9, 10], margin=[2.0, margin, 2.0], top1_value=[3.0, top1_value, 3.0],
+                      gaps=gaps)
 
 
 def test_classify_hand_built_rows():
@@ -67,28 +73,34 @@ def test_classify_hand_built_rows():
         [5, 6, 7],  # identical
         [5, 9, 4],  # plain's runner-up at a one-ulp margin: near tie (the tail may differ)
         [5, 9, 7],  # the runner-up at a large margin: mismatch
-        [5, 11, 7],  # a third token at a one-ulp margin: mismatch
+        [5, 11, 7],  # a third token far below plain's token (one ulp between the top two): mismatch
         [5, 6],  # stopped early, no differing token: mismatch
         [5, 6, 7, 12],  # went on past plain's end: mismatch
+        [5, 11, 4],  # a third token tied with plain's two best: near tie
+        [5, 12, 7],  # a token not among plain's recorded best: mismatch
     ]
-    margins = [_margins(small), _margins(small), _margins(large), _margins(small), _margins(small), _margins(small)]
+    margins = [_margins(small), _margins(small), _margins(large), _margins(small), _margins(small), _margins(small),
+               _margins(0.0, third=0.0), _margins(small)]
     verdicts = classify(rows, [reference] * len(rows), margins, torch.bfloat16)
     bound = TIE_ULPS * 2**-6
-    assert [v.verdict for v in verdicts] == ["identical", "near_tie", "mismatch", "mismatch", "mismatch", "mismatch"]
+    assert [v.verdict for v in verdicts] == ["identical", "near_tie", "mismatch", "mismatch", "mismatch", "mismatch",
+                                             "near_tie", "mismatch"]
     assert verdicts[0].position is None
-    assert (verdicts[1].position, verdicts[1].margin, verdicts[1].bound) == (1, small, bound)
+    assert (verdicts[1].position, verdicts[1].margin, verdicts[1].bound, verdicts[1].gap) == (1, small, bound, small)
     assert (verdicts[1].plain_token, verdicts[1].runner_up, verdicts[1].token) == (6, 9, 9)
     assert (verdicts[2].position, verdicts[2].margin, verdicts[2].token) == (1, large, 9)
-    assert (verdicts[3].runner_up, verdicts[3].token) == (9, 11)
-    assert (verdicts[4].position, verdicts[4].plain_token, verdicts[4].token) == (2, 7, None)
+    assert (verdicts[3].runner_up, verdicts[3].token, verdicts[3].gap) == (9, 11, 1.5)
+    assert (verdicts[4].position, verdicts[4].plain_token, verdicts[4].token, verdicts[4].gap) == (2, 7, None, None)
     assert (verdicts[5].position, verdicts[5].plain_token, verdicts[5].token) == (3, None, 12)
+    assert (verdicts[6].runner_up, verdicts[6].token, verdicts[6].margin, verdicts[6].gap) == (9, 11, 0.0, 0.0)
+    assert (verdicts[7].token, verdicts[7].gap) == (12, None)
     # the same one-ulp-of-bfloat16 margin is far beyond rounding in float32
     assert classify([rows[1]], [reference], [_margins(small)], torch.float32)[0].verdict == "mismatch"
-    summary = summarize(verdicts, torch.bfloat16, prompts=[10, 11, 12, 13, 14, 15])
-    assert (summary["identical"], summary["near_tie"], summary["mismatch"], summary["dtype"]) == (1, 1, 4, "bfloat16")
-    assert [r["prompt"] for r in summary["rows"]] == [11, 12, 13, 14, 15]
+    summary = summarize(verdicts, torch.bfloat16, prompts=[10, 11, 12, 13, 14, 15, 16, 17])
+    assert (summary["identical"], summary["near_tie"], summary["mismatch"], summary["dtype"]) == (1, 2, 5, "bfloat16")
+    assert [r["prompt"] for r in summary["rows"]] == [11, 12, 13, 14, 15, 16, 17]
     assert summary["rows"][0] == {"prompt": 11, "verdict": "near_tie", "position": 1, "margin": small, "bound": bound,
-                                  "plain_token": 6, "runner_up": 9, "token": 9}
+                                  "plain_token": 6, "runner_up": 9, "token": 9, "gap": small}
     with pytest.raises(ValueError, match="one reference row"):
         classify(rows, [reference], margins, torch.bfloat16)
 
@@ -122,7 +134,24 @@ def test_margin_recorder_names_plain_token_at_exact_ties():
     recorder(torch.zeros(2, 1, dtype=torch.long), scores)
     rows = recorder.rows()
     assert (rows[0].top1, rows[0].runner_up, rows[0].margin) == ([1], [2], [0.0])  # argmax takes the first
+    assert rows[0].gaps == [{2: 0.0, 3: 1.0, 0: 2.0}]
     assert (rows[1].top1, rows[1].runner_up, rows[1].margin, rows[1].top1_value) == ([0], [2], [0.5], [3.0])
+    assert rows[1].gaps == [{2: 0.5, 1: 2.0, 3: 3.0}]
+
+
+def test_margin_recorder_keeps_every_token_of_a_tie_of_three():
+    recorder = MarginRecorder()
+    scores = torch.full((1, 64), -1.0)
+    scores[0, [40, 7, 23]] = 2.0  # plain takes 7, the lowest id; 23 and 40 tie with it
+    scores[0, 50] = 1.0
+    recorder(torch.zeros(1, 1, dtype=torch.long), scores)
+    (row,) = recorder.rows()
+    assert row.top1 == [7] and row.runner_up[0] in (23, 40) and row.margin == [0.0]
+    assert {23: 0.0, 40: 0.0, 50: 1.0}.items() <= row.gaps[0].items() and 7 not in row.gaps[0]
+    assert len(row.gaps[0]) == CONTENDERS - 1
+    # a speculative run that took either tied token diverged at a near tie
+    verdicts = classify([[23], [40], [50]], [[7]] * 3, [row] * 3, torch.bfloat16)
+    assert [v.verdict for v in verdicts] == ["near_tie", "near_tie", "mismatch"]
 
 
 # ---- the bench reports bugs as mismatches -----------------------------------------------------------------------------
@@ -162,18 +191,18 @@ def test_bfloat16_runs_differ_only_at_near_ties():
     vocab = 2048  # a wide vocabulary makes near ties among the top logits common enough to occur here
     target, draft = (model.to(torch.bfloat16) for model in tiny_pair(seed=0, vocab_size=vocab))
     settings = bench.BenchSettings(tiny=True, num_prompts=32, batch_sizes=[1, 8, 16], batch_size_prompts={1: 4},
-                                   max_new_tokens=24, methods="plain,dynspec-static:4,dynspec-goodput",
+                                   max_new_tokens=24, methods="plain,dynspec-static:2,dynspec-static:4,dynspec-goodput",
                                    repetitions=1, warmup_tokens=0)
     prompts = random_token_prompts(32, vocab, seed=1)
     results = bench.run_benchmark(settings, target=target, draft=draft, prompts=prompts, progress=False)
     speculative = [r for r in results["runs"] if r["method"] != "plain"]
-    assert len(speculative) == 6
+    assert len(speculative) == 9
     for run in speculative:
         equivalence = run["equivalence"]
         assert equivalence["dtype"] == "bfloat16" and run["mismatches"] == 0, equivalence["rows"]
         assert equivalence["identical"] + equivalence["near_tie"] == run["num_prompts"]
         for row in equivalence["rows"]:
-            assert row["margin"] <= row["bound"] and row["token"] == row["runner_up"] != row["plain_token"]
+            assert row["margin"] <= row["gap"] <= row["bound"] and row["token"] != row["plain_token"]
     # rows did diverge, so the check had to tell near ties apart (and `matches_plain` alone would have failed)
     assert sum(r["near_ties"] for r in speculative) > 0
     assert any(r["matches_plain"] is False for r in speculative)

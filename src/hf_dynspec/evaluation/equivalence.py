@@ -5,11 +5,13 @@ the target's logits differ in the last bits. Where plain greedy decoding's top t
 each other, a speculative run may pick the runner-up, and the row's tail differs from then on. A bug (a wrong mask, a
 hole read as a token, a position off by one) makes rows differ too, but not only at near ties.
 
-- `MarginRecorder` records, during a plain greedy run, each row's top two tokens and their margin at every position.
+- `MarginRecorder` records, during a plain greedy run, each row's best `CONTENDERS` tokens and their gaps to the top
+  score at every position.
 - `rounding_bound` is the largest margin rounding alone can flip: `TIE_ULPS` units in the last place of the dtype at
   the magnitude of the top logit (measured with `evaluation/rounding.py`, see docs/verification.md).
-- `classify` names each row of a speculative run: `identical`, `near_tie` (first divergence at a margin within the
-  bound, where the speculative run took plain's runner-up) or `mismatch` (anything else).
+- `classify` names each row of a speculative run: `identical`, `near_tie` (first divergence at a token whose plain
+  score is within the bound of plain's top score: the runner-up, or a third token at a tie of three) or `mismatch`
+  (anything else).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ Measured with `evaluation/rounding.py` (one forward over k tokens against one-to
 11 ulps in float32 (p99: 7). 16 is the next power of two above the largest change measured in any dtype, which
 leaves bfloat16 a factor of eight for deeper models. See docs/verification.md.
 """
+
+CONTENDERS = 8
+"""How many of plain's best tokens the recorder keeps per position: a near tie may involve more than two tokens."""
 
 Verdict = Literal["identical", "near_tie", "mismatch"]
 VERDICTS: tuple[Verdict, ...] = ("identical", "near_tie", "mismatch")
@@ -80,10 +85,13 @@ class RowMargins:
     margin: list[float]
     """`top1 score - runner-up score` (processed scores, float32)."""
     top1_value: list[float]
+    gaps: list[dict[int, float]]
+    """Per position, `top1 score - score` of each of the next best tokens (`CONTENDERS - 1` of them, runner-up
+    included): at a tie of three, a speculative run may take either of the two other tokens."""
 
 
 class MarginRecorder(LogitsProcessor):
-    """Records each row's top two tokens and their margin at every step of plain `generate`; scores pass unchanged.
+    """Records each row's best `CONTENDERS` tokens and their gaps to the top score at every step of plain `generate`; scores pass unchanged.
 
     Pass it as `logits_processor=LogitsProcessorList([recorder])`: `generate` runs custom processors after the ones it
     builds from the generation config (repetition penalty, minimum length, ...), and before the sampling warpers, so
@@ -93,8 +101,8 @@ class MarginRecorder(LogitsProcessor):
     """
 
     def __init__(self) -> None:
-        self._ids: list[torch.LongTensor] = []  # per step [batch, 2]
-        self._values: list[torch.Tensor] = []  # per step [batch, 2]
+        self._ids: list[torch.LongTensor] = []  # per step [batch, contenders]: plain's token first
+        self._values: list[torch.Tensor] = []  # per step [batch, contenders], descending
         self._shape: tuple[int, int] | None = None  # (batch, input length) at the first call
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -107,25 +115,33 @@ class MarginRecorder(LogitsProcessor):
                 f"(one new token per call, every row kept), got {(batch, length)}; use a new recorder per "
                 "`generate` call and only with plain greedy decoding."
             )
-        values, ids = scores.topk(2, dim=-1)  # [batch, 2]
-        # greedy decoding takes the first of tied maxima, which topk may list second: the runner-up is the other one
-        chosen = scores.argmax(dim=-1)  # [batch]
-        runner_up = torch.where(ids[:, 0] == chosen, ids[:, 1], ids[:, 0])  # [batch]
+        values, ids = scores.topk(min(CONTENDERS, scores.shape[-1]), dim=-1)  # [batch, contenders]
+        # greedy decoding takes the first of tied maxima, which topk may list later: swap it to the front (its value
+        # equals the first one's, so `values` stays as it is)
+        chosen = scores.argmax(dim=-1, keepdim=True)  # [batch, 1]
+        slot = (ids == chosen).int().argmax(dim=-1, keepdim=True)  # [batch, 1]: where topk listed plain's token
+        ids = ids.scatter(1, slot, ids[:, :1]).scatter(1, torch.zeros_like(slot), chosen)  # [batch, contenders]
         self._values.append(values)
-        self._ids.append(torch.stack([chosen, runner_up], dim=1))
+        self._ids.append(ids)
         return scores
 
     def rows(self) -> list[RowMargins]:
         """Per row of the batch, what was recorded at each generated position."""
         if not self._ids:
             return []
-        ids = torch.stack(self._ids, dim=1).tolist()  # [batch, steps, 2]
-        values = torch.stack(self._values, dim=1).float()  # [batch, steps, 2]
-        margins = (values[..., 0] - values[..., 1]).tolist()  # [batch, steps]
+        ids = torch.stack(self._ids, dim=1).tolist()  # [batch, steps, contenders]
+        values = torch.stack(self._values, dim=1).float()  # [batch, steps, contenders]
+        gaps = (values[..., :1] - values[..., 1:]).tolist()  # [batch, steps, contenders - 1]
         tops = values[..., 0].tolist()  # [batch, steps]
         return [
-            RowMargins([pair[0] for pair in row], [pair[1] for pair in row], margin, top)
-            for row, margin, top in zip(ids, margins, tops)
+            RowMargins(
+                top1=[best[0] for best in row],
+                runner_up=[best[1] for best in row],
+                margin=[gap[0] for gap in row_gaps],
+                top1_value=top,
+                gaps=[dict(zip(best[1:], gap)) for best, gap in zip(row, row_gaps)],
+            )
+            for row, row_gaps, top in zip(ids, gaps, tops)
         ]
 
 
@@ -134,9 +150,10 @@ class MarginRecorder(LogitsProcessor):
 class RowVerdict:
     """How one row of a speculative greedy run compares with plain greedy decoding.
 
-    For `near_tie` and `mismatch`: the first divergent position (index into the new tokens), plain's margin and the
-    rounding bound there, plain's token and runner-up there, and the speculative run's token (`None` past the end of
-    a row that stopped early).
+    For `near_tie` and `mismatch`: the first divergent position (index into the new tokens), plain's top-2 margin and
+    the rounding bound there, plain's token and runner-up there, the speculative run's token (`None` past the end of
+    a row that stopped early) and its `gap`: plain's top score minus plain's score of that token (`None` when it is
+    not among plain's best `CONTENDERS`).
     """
 
     verdict: Verdict
@@ -146,6 +163,7 @@ class RowVerdict:
     plain_token: int | None = None
     runner_up: int | None = None
     token: int | None = None
+    gap: float | None = None
 
 
 def classify(
@@ -157,8 +175,8 @@ def classify(
     """One verdict per row of `tokens` (a speculative run's new tokens) against `reference` (plain's new tokens).
 
     `margins` are plain's recorded margins for the same rows, `dtype` the target's dtype. A row is a `near_tie` when
-    at its first divergent position plain's margin is at most `rounding_bound(dtype, top1)` and the speculative token
-    is plain's runner-up; any other difference is a `mismatch`, a length difference without a differing token
+    at its first divergent position plain's score of the speculative token is within `rounding_bound(dtype, top1)` of
+    plain's top score (plain's runner-up, or another token at a tie of three or more); any other difference is a `mismatch`, a length difference without a differing token
     included (one run stopped where the other went on).
     """
     dtype = as_dtype(dtype)
@@ -183,16 +201,17 @@ def _classify_row(row: Sequence[int], ref: Sequence[int], margins: RowMargins, d
     margin, top1 = margins.margin[position], margins.top1_value[position]
     runner_up = margins.runner_up[position]
     bound = rounding_bound(dtype, top1)
-    tie = position < shared and token == runner_up and margin <= bound
-    return RowVerdict("near_tie" if tie else "mismatch", position, margin, bound, plain_token, runner_up, token)
+    gap = margins.gaps[position].get(token) if position < shared else None
+    tie = gap is not None and gap <= bound
+    return RowVerdict("near_tie" if tie else "mismatch", position, margin, bound, plain_token, runner_up, token, gap)
 
 
 def summarize(verdicts: Sequence[RowVerdict], dtype: torch.dtype | str, prompts: Sequence[int] | None = None) -> dict:
     """The results-file form: `{"identical": n, "near_tie": n, "mismatch": n, "dtype": ..., "rows": [...]}`.
 
     `rows` lists the divergent rows only, each with `prompt` (its index in `prompts`, by default its row index),
-    `position`, `margin`, `bound`, `plain_token`, `runner_up`, `token` and `verdict`. Non-finite margins (a runner-up
-    masked to -inf) are written as `None`.
+    `position`, `margin`, `bound`, `plain_token`, `runner_up`, `token`, `gap` and `verdict`. Non-finite margins and gaps
+    (a token masked to -inf) are written as `None`.
     """
     counts = Counter(v.verdict for v in verdicts)
     rows = []
@@ -200,8 +219,9 @@ def summarize(verdicts: Sequence[RowVerdict], dtype: torch.dtype | str, prompts:
         if verdict.verdict == "identical":
             continue
         entry: dict[str, Any] = {"prompt": prompts[index] if prompts is not None else index, **asdict(verdict)}
-        if entry["margin"] is not None and not math.isfinite(entry["margin"]):
-            entry["margin"] = None
+        for name in ("margin", "gap"):
+            if entry[name] is not None and not math.isfinite(entry[name]):
+                entry[name] = None
         rows.append(entry)
     return {**{name: counts.get(name, 0) for name in VERDICTS}, "dtype": str(as_dtype(dtype)).removeprefix("torch."),
             "rows": rows}
