@@ -24,6 +24,7 @@ NON_DEFAULT = {
     "prompt_lookup_min_ngram": 2,
     "prompt_lookup_max_tokens": 6,
     "draft_lookahead": 0,
+    "draft_lookahead_max_cost": None,
     "draft_vocab_size": None,
     "narrow_linear": "off",
     "compact_min_holes": 9,

@@ -11,16 +11,20 @@ from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogit
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.calibration import affordable_lookahead
 from hf_dynspec.candidates.draft_model import DraftModelProposer
 from hf_dynspec.placement import Placement
 from hf_dynspec.policies import DraftLengthPolicy, PolicyInput
 from hf_dynspec.sequences import TokenBatch
 
+UNCAPPED = {"draft_lookahead_max_cost": None}
+"""These tests are about what lookahead guesses do, so every guess token is fed, whatever a forward's width costs."""
+
 
 def speculate(target, draft, ids, mask, **config):
     return target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32, assistant_model=draft,
-        custom_generate=hf_dynspec.speculative_loop, dynspec_config=DynSpecConfig(**{"policy": "static", **config}),
+        custom_generate=hf_dynspec.speculative_loop, dynspec_config=DynSpecConfig(**{"policy": "static", **UNCAPPED, **config}),
         return_dict_in_generate=True,
     )
 
@@ -53,7 +57,8 @@ def test_tokens_a_forward_yields_may_run_past_the_length_but_never_cost_a_forwar
     out = target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=2, draft_lookahead=6, prompt_lookup_max_tokens=7),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=2, draft_lookahead=6, prompt_lookup_max_tokens=7,
+                                     **UNCAPPED),
     )
     assert torch.equal(out.sequences, plain)
     steps = out.dynspec_stats.steps
@@ -113,7 +118,8 @@ def test_a_row_an_early_stop_ends_draws_no_more_tokens_even_guessed_ones(lookahe
     out = target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True, dynspec_policy=policy,
-        dynspec_config=DynSpecConfig(num_speculative_tokens=6, draft_lookahead=lookahead, prompt_lookup_max_tokens=6),
+        dynspec_config=DynSpecConfig(num_speculative_tokens=6, draft_lookahead=lookahead, prompt_lookup_max_tokens=6,
+                                     **UNCAPPED),
     )
     assert torch.equal(out.sequences, target.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                                       max_new_tokens=24))
@@ -133,7 +139,7 @@ def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # no
     used_guess = []
 
     def draw(n: int) -> torch.Tensor:
-        config = DynSpecConfig(policy="static", num_speculative_tokens=2, draft_lookahead=n)  # one guess token for each of n rows
+        config = DynSpecConfig(policy="static", num_speculative_tokens=2, draft_lookahead=n, **UNCAPPED)  # one guess token for each of n rows
         proposer = DraftModelProposer(draft, processors, GenerationConfig(do_sample=True), placement, config)
         tokens = torch.cat([prompt.expand(n, -1), torch.zeros((n, 2), dtype=torch.long)], dim=1)
         batch = TokenBatch(tokens, prompt.shape[0], torch.full((n,), prompt.shape[0]), torch.zeros(n, dtype=torch.long), 0)
@@ -153,6 +159,52 @@ def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # no
 def test_negative_lookahead_is_refused():
     with pytest.raises(ValueError, match="`draft_lookahead` must be an integer >= 0"):
         DynSpecConfig(draft_lookahead=-1)
+    for cost in (0.5, "1.25", True):
+        with pytest.raises(ValueError, match="`draft_lookahead_max_cost` must be a number >= 1"):
+            DynSpecConfig(draft_lookahead_max_cost=cost)
+
+
+# ---- how many guess tokens a forward may carry -------------------------------------------------------------------------
+def _stepped(step_width: int, factor: float = 2.0):
+    """A timer: a forward costs 1 s up to `step_width` tokens and `factor` s beyond; it records the widths timed."""
+    timed = []
+
+    def timer(width: int) -> float:
+        timed.append(width)
+        return 1.0 if width <= step_width else factor
+
+    return timer, timed
+
+
+@pytest.mark.parametrize(("most", "step_width", "expected", "widths"), [
+    (8, 100, 8, [1, 2, 3, 5, 9]),  # wide forwards nearly free: every guess token
+    (8, 3, 2, [1, 2, 3, 5]),  # a forward over 5 tokens costs twice one: 2 guess tokens, wider ones not timed
+    (8, 1, 0, [1, 2]),  # two tokens already cost twice one: no lookahead
+    (4, 100, 4, [1, 2, 3, 5]),  # the widest the lookahead allows is timed too
+    (40, 100, 40, [1, 2, 3, 5, 9, 17, 33, 41]),
+])
+def test_affordable_lookahead_is_the_widest_forward_within_the_cost(most, step_width, expected, widths):
+    model = tiny_model("llama", seed=0)
+    timer, timed = _stepped(step_width)
+    assert affordable_lookahead(model, most, 1.25, timer=timer) == expected and timed == widths
+    timer, _ = _stepped(step_width, factor=1.2)  # within the cost: 20% more for the wider forwards is fine
+    assert affordable_lookahead(model, most, 1.25, timer=timer) == most
+
+
+def test_a_draft_drafts_token_by_token_where_lookahead_forwards_cost_too_much():
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = repetitive_prompts([11], seed=1)
+    config = {"num_speculative_tokens": 6, "prompt_lookup_max_tokens": 6, "narrow_linear": "off"}
+    stepwise = speculate(target, draft, ids, mask, draft_lookahead=0, **config)
+    runs = {}
+    for name, step_width in (("costly", 1), ("cheap", 100)):  # what the draft's forwards are measured to cost
+        affordable_lookahead(draft, 8, 1.25, narrow=0, timer=_stepped(step_width)[0])  # measured once per process
+        runs[name] = speculate(target, draft, ids, mask, draft_lookahead=8, draft_lookahead_max_cost=1.25, **config)
+    assert all(torch.equal(run.sequences, stepwise.sequences) for run in runs.values())
+    assert runs["costly"].dynspec_stats.draft_forwards == stepwise.dynspec_stats.draft_forwards
+    assert (runs["costly"].dynspec_stats.draft_lookahead, runs["cheap"].dynspec_stats.draft_lookahead) == (0, 8)
+    assert runs["cheap"].dynspec_stats.draft_forwards < stepwise.dynspec_stats.draft_forwards
 
 
 def test_policies_that_stop_early_or_not():

@@ -14,6 +14,7 @@ import math
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -123,6 +124,61 @@ class _CachedForward:
             use_cache=True,
             logits_to_keep=keep,
         )
+
+
+LOOKAHEAD_WIDTHS = (2, 3, 5, 9, 17, 33)
+"""Forward widths (the newest token plus guess tokens) `affordable_lookahead` times, besides one token and the widest
+the lookahead allows."""
+
+LOOKAHEAD_CONTEXT = 32
+"""Cached tokens under the forwards `affordable_lookahead` times (attention over them is cheap at any width)."""
+
+_AFFORDABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""`affordable_lookahead` results per model: `{(most, max_cost, narrow_rows, threads): guess tokens}`."""
+
+WidthTimer = Callable[[int], float]
+"""`timer(width)`: seconds of one forward over `width` new tokens at batch size 1."""
+
+
+def affordable_lookahead(
+    model: PreTrainedModel, most: int, max_cost: float, narrow: int = 0, timer: WidthTimer | None = None
+) -> int:
+    """The most guess tokens (at most `most`) a lookahead forward of `model` may carry and cost at most `max_cost`
+    times a forward over one token (`DynSpecConfig.draft_lookahead_max_cost`).
+
+    Times forwards over 1 token and over `1 + g` tokens for `g + 1` in `LOOKAHEAD_WIDTHS` up to `1 + most` (and `1 +
+    most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers over up to `narrow` rows
+    computed weight-first as the loop computes them; each width is worth the fastest of 3 forwards after one untimed
+    pass over all widths (other processes only ever slow a forward down). Returns the widest `g` within the cost at
+    that width and every narrower one, 0 when two tokens already cost more. Measured once per process, model and
+    setting; `timer` measures anew (for tests).
+    """
+    key = (most, max_cost, narrow, torch.get_num_threads())
+    cached = _AFFORDABLE.setdefault(model, {})
+    if key not in cached or timer is not None:
+        widths = sorted({w for w in LOOKAHEAD_WIDTHS if w <= 1 + most} | {1 + most}) if most > 0 else []
+        cached[key] = _widest_within(widths, max_cost, timer or _width_timer(model, narrow, widths))
+    return cached[key]
+
+
+def _widest_within(widths: Sequence[int], max_cost: float, timer: WidthTimer) -> int:
+    """The widest of `widths` (minus the newest token) whose forward, and every narrower one's, costs at most
+    `max_cost` times one token's."""
+    one = timer(1)
+    affordable = 0
+    for width in widths:
+        if timer(width) > max_cost * one:
+            break
+        affordable = width - 1
+    return affordable
+
+
+def _width_timer(model: PreTrainedModel, narrow: int, widths: Sequence[int]) -> WidthTimer:
+    """`timer(width)`: the fastest of 3 batch-1 forwards over `width` tokens, after one untimed pass over `widths`."""
+    forward = _CachedForward(model, 1, LOOKAHEAD_CONTEXT, torch.Generator().manual_seed(0), narrow)
+    for width in (1, *widths):
+        forward(width, keep=width)
+    return lambda width: min(time_call(partial(forward, width, width), warmup=0, repeats=3))
 
 
 def _time_forwards(

@@ -84,6 +84,14 @@ class DynSpecConfig:
                   "forward yields several draft tokens; the draft tokens are the same as without (lossless), only "
                   "draft forwards are saved. 0 disables; off with an early stop."},
     )
+    draft_lookahead_max_cost: float | None = field(
+        default=1.25,
+        metadata={"help": "Draft model: the most a draft forward with lookahead guesses may cost, as a multiple of a "
+                  "forward over one token. The draft's forward is timed at a few widths once per process "
+                  "(`calibration.affordable_lookahead`), and lookahead feeds at most as many guess tokens as stay "
+                  "within this cost: all of `draft_lookahead` where wider forwards are nearly free (bfloat16 with AMX), "
+                  "few or none where each token costs more (float32 with AVX2). None: no limit."},
+    )
     draft_vocab_size: int | None = field(
         default=65536,
         metadata={"help": "Draft model: propose only among the first this many token ids (a BPE vocabulary lists its "
@@ -121,6 +129,12 @@ class DynSpecConfig:
         self._check_int("prompt_lookup_max_tokens", minimum=1)
         self._check_int("draft_lookahead", minimum=0)
         self._check_int("compact_min_holes", minimum=1)
+        cost = self.draft_lookahead_max_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 1.0):
+            raise ValueError(
+                f"`draft_lookahead_max_cost` must be a number >= 1 (a multiple of a one-token draft forward) or None "
+                f"(no limit), got {cost!r}."
+            )
         if self.draft_vocab_size is not None:
             self._check_int("draft_vocab_size", minimum=1)
         if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:

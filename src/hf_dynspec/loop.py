@@ -168,6 +168,8 @@ class _Run:
         self.stats.total_seconds = self.placement.clock() - start
         self.stats.overhead_seconds = self.stats.total_seconds - self.stats.accounted_seconds
         self.stats.draft_forwards += self.proposer.forwards
+        drafter = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
+        self.stats.draft_lookahead = getattr(drafter, "lookahead", None)
         if self.streamer is not None:
             self.streamer.end()
         sequences = self.output[:, : self.input_ids.shape[1] + int(self.output_generated.max())]

@@ -68,6 +68,9 @@ class DynSpecStats:
     narrow_rows: dict[str, int] = field(default_factory=dict)
     """Per model (`target`, `draft`): the most rows of a forward whose linear layers were computed weight-first
     (`DynSpecConfig.narrow_linear`; 0: none)."""
+    draft_lookahead: int | None = None
+    """The most lookahead guess tokens a draft forward carried (`draft_lookahead`, cut to what
+    `draft_lookahead_max_cost` allows); None when no draft model drafted."""
 
     @property
     def accounted_seconds(self) -> float:

@@ -58,6 +58,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.ragged: RaggedCache | None = None
         self.num_seen: torch.LongTensor | None = None  # [batch] real tokens in the draft cache
         self.forwards = 0
+        self.lookahead: int | None = None  # guess tokens a forward may carry, once drafting starts
         self._fed_nodes: torch.LongTensor | None = None  # [batch, fed] tree node of each draft-cache column fed
         self._num_assistant_tokens = self.config.num_speculative_tokens
 
@@ -100,7 +101,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         """
         lengths = lengths.clone()
         ids, mask, positions = self._unseen_tail(batch)  # [batch, tail]
-        lookahead = self.config.draft_lookahead
+        lookahead = self.lookahead = self.lookahead_tokens()
         reach = self._reach(batch, lengths, lookahead).clone()  # [batch] (cut in place by an early stop)
         chain = _Chain(batch.batch_size, int(reach.max()) if reach.numel() else 0, lengths.device)
         fed: list[torch.LongTensor] = []  # per forward: [batch, columns] node of each column after the tail, or -1
@@ -122,6 +123,17 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             chain.forwards += 1
         self._fed_nodes = torch.cat(fed, 1) if fed else lengths.new_zeros((batch.batch_size, 0))
         return chain.proposal()
+
+    def lookahead_tokens(self) -> int:
+        """Guess tokens a draft forward may carry: `draft_lookahead`, cut to what stays within
+        `draft_lookahead_max_cost` times a one-token forward of this draft (measured once per process)."""
+        most, max_cost = self.config.draft_lookahead, self.config.draft_lookahead_max_cost
+        if most == 0 or max_cost is None:
+            return most
+        from ..calibration import affordable_lookahead  # calibration imports the policies, which import this module
+
+        narrow = self.placement.narrow_rows.get(id(self.draft_model), 0)
+        return affordable_lookahead(self.draft_model, most, max_cost, narrow)
 
     def _reach(self, batch: TokenBatch, lengths: torch.LongTensor, lookahead: int) -> torch.LongTensor:
         """`[batch]` most draft tokens each row may end with: its length, or with lookahead up to
