@@ -229,6 +229,7 @@ def test_tiny_benchmark_end_to_end(pair, tmp_path):
     for (name, _), run in runs.items():
         assert run["matches_plain"] is (None if name == "plain" else True)
         assert len(run["wall_s_repetitions"]) == 2 and run["tokens_per_s"] > 0
+        assert run["speedup_repetitions"] is None if name == "plain" else len(run["speedup_repetitions"]) == 2
     assert runs[("hf-assisted", 4)]["rows_one_at_a_time"] and not runs[("hf-assisted", 1)]["rows_one_at_a_time"]
     assert {(t["method"], t["batch_size"]) for t in results["traces"]} == {
         ("dynspec-static:3", 1), ("dynspec-static:3", 4), ("dynspec-goodput", 1), ("dynspec-goodput", 4)
@@ -322,3 +323,16 @@ def test_table_file_errors(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"something": 1}))
     with pytest.raises(MethodError, match="neither a vLLM speculative config"):
         methods.table_policy_options(tmp_path / "x.json")
+
+
+def test_paired_speedups_divide_each_repetition_by_plains_own():
+    def measured(seconds: list[float], tokens: int) -> bench._Measured:
+        outcomes = [runner.Outcome(tokens=[[1] * tokens], seconds=s, target_forwards=0, draft_forwards=0) for s in seconds]
+        return bench._Measured(seconds=seconds, outcomes=outcomes)
+
+    plain = measured([10.0, 20.0, 12.0], tokens=30)
+    fast = measured([5.0, 8.0, 12.0], tokens=30)
+    assert bench.paired_speedups(fast, plain) == pytest.approx([2.0, 2.5, 1.0])
+    assert bench.paired_speedups(measured([5.0], tokens=15), measured([10.0], tokens=30)) == pytest.approx([1.0])
+    assert report._spread([2.0, 2.5, 1.0]) == "1.00 – 2.50x" and report._spread([1.25]) == "1.25x"
+    assert report._spread(None) == "–"

@@ -225,6 +225,17 @@ class _Measured:
     mismatched_prompts: int = 0
     mismatched_tokens: int = 0
     equivalence: dict[str, Any] | None = None  # greedy runs: the worst repetition's `equivalence.summarize`
+    speedups: list[float] | None = None  # tokens/s over plain's, repetition by repetition (None for plain itself)
+
+
+def paired_speedups(entry: _Measured, plain: _Measured) -> list[float]:
+    """Tokens per second over plain's, one per repetition: repetition `r` of both ran in the same interleaved round,
+    so the spread of these ratios is the run-to-run spread of the speedup, free of slow phases that hit both alike."""
+    return [
+        (mine.new_tokens / seconds) / (ref.new_tokens / ref_seconds)
+        for mine, seconds, ref, ref_seconds in zip(entry.outcomes, entry.seconds, plain.outcomes, plain.seconds)
+        if seconds > 0 and ref_seconds > 0 and ref.new_tokens > 0
+    ]
 
 
 def compare(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
@@ -298,6 +309,7 @@ def run_benchmark(
         runner.close()
     for (name, batch_size), entry in measured.items():
         if name != "plain":
+            entry.speedups = paired_speedups(entry, measured[("plain", batch_size)])
             reference = measured[("plain", batch_size)].outcomes
             errors = [compare(o.tokens, ref.tokens) for o, ref in zip(entry.outcomes, reference)]
             entry.mismatched_prompts = max(e[0] for e in errors)
@@ -362,6 +374,7 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
         "tokens_per_s": outcome.new_tokens / wall if wall > 0 else None,
         "wall_s": wall,
         "wall_s_repetitions": entry.seconds,
+        "speedup_repetitions": entry.speedups,
         "cpu_s": cpu,
         "tokens_per_cpu_s": outcome.new_tokens / cpu if cpu > 0 else None,
         "num_prompts": len(outcome.tokens),

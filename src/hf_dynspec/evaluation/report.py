@@ -18,6 +18,13 @@ def _number(value: float | int | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _spread(speedups: list[float] | None) -> str:
+    """The paired per-repetition speedups, lowest to highest (`1.21 – 1.30x`), or `–` without them."""
+    if not speedups:
+        return "–"
+    return f"{min(speedups):.2f}x" if len(speedups) == 1 else f"{min(speedups):.2f} – {max(speedups):.2f}x"
+
+
 def _agreement(run: dict[str, Any], sampled: bool) -> str:
     """`identical / near-tie / mismatch` row counts against plain greedy decoding."""
     if run["method"] == "plain":
@@ -31,6 +38,9 @@ def _agreement(run: dict[str, Any], sampled: bool) -> str:
 def markdown_table(results: dict[str, Any]) -> str:
     """One row per (batch size, method): throughput, speedup over plain, work done and agreement with plain.
 
+    The speedup is over the medians; "speedup per repetition" is its spread: the lowest and highest tokens/s over
+    plain's in the same repetition (`speedup_repetitions` of the run record).
+
     Agreement is counted in rows (prompts): identical to plain greedy decoding, differing first at a near tie that
     rounding can flip, or mismatching (see `equivalence.classify`); it does not apply to sampling. When dynspec runs
     recorded their time split, a second table ("where the time goes", `time_table`) follows.
@@ -38,9 +48,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     speedups = speedup_table(results)
     sampled = bool(results.get("config", {}).get("do_sample"))
     lines = [
-        "| batch | method | tokens/s | speedup | wall s (median) | tokens/CPU-s | new tokens | mean accepted "
-        "| target fwd | draft fwd | identical / near-tie / mismatch |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| batch | method | tokens/s | speedup | speedup per repetition | wall s (median) | tokens/CPU-s | new tokens "
+        "| mean accepted | target fwd | draft fwd | identical / near-tie / mismatch |",
+        "| ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     sequential = False
     default_marked = False
@@ -55,7 +65,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         match = _agreement(run, sampled)
         lines.append(
             f"| {run['batch_size']} | {name} | {_number(run['tokens_per_s'])} | {_number(speedup)}x | "
-            f"{_number(run['wall_s'])} | {_number(run.get('tokens_per_cpu_s'))} | {run['new_tokens']} | "
+            f"{_spread(run.get('speedup_repetitions'))} | {_number(run['wall_s'])} | {_number(run.get('tokens_per_cpu_s'))} | {run['new_tokens']} | "
             f"{_number(run['mean_accepted'])} | "
             f"{run['target_forwards']} | {run['draft_forwards']} | {match} |"
         )
