@@ -551,11 +551,10 @@ class GoodputPolicy(DraftLengthPolicy):
         return seconds + forwards * per_forward + (catchup if forwards else 0.0)
 
     def _affordable_lengths(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
-        """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing; when
-        the budget allows less than that, and speculation repays the step's extra cost twice over even at pessimistic
-        acceptance, capped instead at the longest draft that pays at that acceptance if that is longer (kept whole
-        under the marginal stop, which ends drafts itself where their next token stops paying). The investment rule
-        only ever lengthens what the budget allows: a budget with room never shortens the search's choice."""
+        """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing, or,
+        when speculation repays the step's extra cost twice over even at pessimistic acceptance, capped at the
+        longest draft that pays at that acceptance (kept whole under the marginal stop, which ends drafts itself
+        where their next token stops paying)."""
         batch = request.batch_size
         plain = self._plain_seconds(batch)
         future = plain * float(request.remaining_tokens.max())
@@ -564,13 +563,8 @@ class GoodputPolicy(DraftLengthPolicy):
         def extra(candidate: torch.LongTensor) -> float:  # seconds over a plain step, at measured costs
             return self._price(batch, candidate, self._free, catchup, model=booked) - plain
 
-        if extra(lengths) <= 0 or self.budget.allows(-extra(lengths), future):
+        if extra(lengths) <= 0:
             return lengths
-        within = torch.zeros_like(lengths)
-        for longest in range(int(lengths.max()) - 1, 0, -1):
-            if self.budget.allows(-extra(lengths.clamp(max=longest)), future):
-                within = lengths.clamp(max=longest)
-                break
         savings, longest = self._pessimistic_savings(request, future)
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
         if self.marginal and longest > 0 and savings >= 2.0 * extra(invested):
@@ -579,9 +573,13 @@ class GoodputPolicy(DraftLengthPolicy):
             return lengths
         if self._free is not None:
             invested = torch.where(self._free, lengths, invested)  # lookup rows cost verify width only
-        if longest > 0 and savings >= 2.0 * extra(invested) and int(invested.max()) > int(within.max()):
+        if longest > 0 and savings >= 2.0 * extra(invested):
             return invested
-        return within
+        for longest in range(int(lengths.max()), 0, -1):
+            capped = lengths.clamp(max=longest)
+            if self.budget.allows(-extra(capped), future):
+                return capped
+        return torch.zeros_like(lengths)
 
     def _booking_model(self) -> StepCostModel | None:
         """The costs the loss budget books steps at: an online model's measurements without its optimism."""
