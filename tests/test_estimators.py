@@ -220,6 +220,25 @@ def test_online_cost_model_asks_for_the_points_it_lacks() -> None:
     assert model.exploration_length(40, 8) == 8  # a larger one: its longest draft is above every knot
 
 
+def test_online_cost_model_explores_a_knot_measured_once_again() -> None:
+    """A knot with one sample is priced optimistically and may be vetoed by the loss budget for good: exploration
+    treats it as a gap until a second sample lands."""
+    model = OnlineCostModel(explore_interval=1, warmup_steps=0)
+
+    def observe(batch: int, longest: int) -> None:
+        lengths = torch.full((batch,), longest)
+        model.observe(StepFeedback(torch.arange(batch), lengths, lengths, lengths, 0.01 * longest,
+                                   true_verify(batch * (1 + longest)), batch * (1 + longest)))
+
+    for _ in range(2):
+        observe(4, 0)
+        observe(4, 8)
+    observe(4, 3)  # N = 16, once: no knot yet, so N = 12 is the farthest from the knots at 4 and 36
+    assert model.exploration_length(4, 8) == 2
+    observe(4, 3)  # N = 16 seen twice: now N = 8 is the farthest from every knot
+    assert model.exploration_length(4, 8) == 1
+
+
 def test_profile_cost_model_never_explores_and_merges_equal_token_counts() -> None:
     profile = Profile(
         target_forward=[TargetTiming(1, 4, 0.30), TargetTiming(4, 1, 0.20), TargetTiming(2, 2, 0.22),

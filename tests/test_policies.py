@@ -561,6 +561,24 @@ def test_marginal_stop_may_draft_past_the_pessimistic_length_once_that_length_pa
     assert requested("marginal") == 14  # the row's cap: 15 tokens left
 
 
+def test_investment_rule_never_shortens_what_the_loss_budget_allows() -> None:
+    """The pessimistic length caps a step only where the budget could not pay for the search's choice: with savings
+    banked (or no budget at all) the search's length stands."""
+
+    def requested(loss_budget, banked: float) -> int:
+        verify = PiecewiseLinear.fit({1: (1.0, 1), 3: (1.1, 1), 17: (2.0, 1), 64: (6.0, 1)})
+        policy = GoodputPolicy(GoodputSettings(loss_budget=loss_budget),
+                               cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.3, 1)})))
+        policy.reset(1)
+        policy.observe_prefill(PrefillFeedback(1, 150, 2.0, 0.3))
+        policy.budget.record(banked, 0.0)  # seconds speculation saved in earlier steps
+        policy.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([30]))
+        return int(policy.draft_lengths(request(1, 16, remaining=40))[0])
+
+    assert requested(0.05, banked=0.0) == 5  # a fresh budget: the pessimistic length, as an investment
+    assert requested(0.05, banked=30.0) == requested(None, banked=0.0) == 8  # the search's own choice
+
+
 def test_marginal_stop_keeps_a_stopped_row_stopped() -> None:
     policy = GoodputPolicy(GoodputSettings(early_stop="marginal", loss_budget=None), cost_model=offload_like_cost())
     policy.reset(2)

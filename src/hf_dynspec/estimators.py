@@ -345,6 +345,12 @@ class OnlineCostModel(PaddedCostModel):
         self._since_exploration += 1
         if self._since_exploration < self.explore_interval:
             return None
+        # A knot measured once is no knot here: its price is capped optimistically, and the loss budget (which books
+        # the measurement) may keep the policy from ever choosing that length again, so only exploring it gives it
+        # a second sample. Without this, a batch size's wide verify widths could stay priced at the narrow ones'.
+        seen_twice = np.array(sorted(k for k, v in self.verify_samples.items() if len(v) >= 2), dtype=np.float64)
+        if seen_twice.size:
+            knots = seen_twice
         gaps = np.abs(np.log(wanted[:, None] / knots[None, :])).min(axis=1)  # [max + 1]
         if gaps.max() <= math.log(slack):
             return None

@@ -563,7 +563,7 @@ class GoodputPolicy(DraftLengthPolicy):
         def extra(candidate: torch.LongTensor) -> float:  # seconds over a plain step, at measured costs
             return self._price(batch, candidate, self._free, catchup, model=booked) - plain
 
-        if extra(lengths) <= 0:
+        if extra(lengths) <= 0 or self.budget.allows(-extra(lengths), future):
             return lengths
         savings, longest = self._pessimistic_savings(request, future)
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
