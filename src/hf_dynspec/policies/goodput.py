@@ -551,10 +551,10 @@ class GoodputPolicy(DraftLengthPolicy):
         return seconds + forwards * per_forward + (catchup if forwards else 0.0)
 
     def _affordable_lengths(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
-        """`lengths` capped at the longest draft whose step stays within the loss budget if it accepts nothing, or,
-        when speculation repays the step's extra cost twice over even at pessimistic acceptance, capped at the
-        longest draft that pays at that acceptance (kept whole under the marginal stop, which ends drafts itself
-        where their next token stops paying)."""
+        """`lengths` as they are when the loss budget can pay for them even if they accept nothing; otherwise, when
+        speculation repays the step's extra cost twice over even at pessimistic acceptance, capped at the longest
+        draft that pays at that acceptance (kept whole under the marginal stop, which ends drafts itself where their
+        next token stops paying); otherwise capped at the longest draft the budget allows."""
         batch = request.batch_size
         plain = self._plain_seconds(batch)
         future = plain * float(request.remaining_tokens.max())
