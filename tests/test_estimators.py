@@ -220,10 +220,11 @@ def test_online_cost_model_asks_for_the_points_it_lacks() -> None:
     assert model.exploration_length(40, 8) == 8  # a larger one: its longest draft is above every knot
 
 
-def test_online_cost_model_explores_a_knot_measured_once_again() -> None:
+@pytest.mark.parametrize("confirm_samples", [3, 1])
+def test_online_cost_model_explores_a_knot_measured_once_again(confirm_samples: int) -> None:
     """A knot with one sample is priced optimistically and may be vetoed by the loss budget for good: exploration
-    treats it as a gap until a second sample lands."""
-    model = OnlineCostModel(explore_interval=1, warmup_steps=0)
+    treats it as a gap until a second sample lands (unless one sample confirms a knot: then nothing is optimistic)."""
+    model = OnlineCostModel(explore_interval=1, warmup_steps=0, confirm_samples=confirm_samples)
 
     def observe(batch: int, longest: int) -> None:
         lengths = torch.full((batch,), longest)
@@ -234,7 +235,7 @@ def test_online_cost_model_explores_a_knot_measured_once_again() -> None:
         observe(4, 0)
         observe(4, 8)
     observe(4, 3)  # N = 16, once: no knot yet, so N = 12 is the farthest from the knots at 4 and 36
-    assert model.exploration_length(4, 8) == 2
+    assert model.exploration_length(4, 8) == (2 if confirm_samples > 1 else 1)
     observe(4, 3)  # N = 16 seen twice: now N = 8 is the farthest from every knot
     assert model.exploration_length(4, 8) == 1
 

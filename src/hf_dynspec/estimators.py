@@ -282,7 +282,7 @@ class OnlineCostModel(PaddedCostModel):
     Exploration: before the knots bracket the current batch size (a knot near or below `N = b`, one near or above
     `N = b * (1 + max)`), `exploration_length` asks for a plain step or a maximal one; afterwards, every
     `explore_interval` steps, for the draft length whose `N` is farthest (more than a factor `1 + tolerance`) from
-    every knot. The first `warmup_steps` steps this model ever observes are ignored (lazy initialisation).
+    every knot measured at least twice (a knot measured once is priced optimistically, so it is measured again). The first `warmup_steps` steps this model ever observes are ignored (lazy initialisation).
     """
 
     def __init__(
@@ -348,9 +348,11 @@ class OnlineCostModel(PaddedCostModel):
         # A knot measured once is no knot here: its price is capped optimistically, and the loss budget (which books
         # the measurement) may keep the policy from ever choosing that length again, so only exploring it gives it
         # a second sample. Without this, a batch size's wide verify widths could stay priced at the narrow ones'.
-        seen_twice = np.array(sorted(k for k, v in self.verify_samples.items() if len(v) >= 2), dtype=np.float64)
-        if seen_twice.size:
-            knots = seen_twice
+        # (With `confirm_samples=1` one sample confirms a knot: nothing is capped, and every knot counts.)
+        enough = min(2, self.confirm_samples)
+        seen = np.array(sorted(k for k, v in self.verify_samples.items() if len(v) >= enough), dtype=np.float64)
+        if seen.size:
+            knots = seen
         gaps = np.abs(np.log(wanted[:, None] / knots[None, :])).min(axis=1)  # [max + 1]
         if gaps.max() <= math.log(slack):
             return None

@@ -563,7 +563,8 @@ class GoodputPolicy(DraftLengthPolicy):
         def extra(candidate: torch.LongTensor) -> float:  # seconds over a plain step, at measured costs
             return self._price(batch, candidate, self._free, catchup, model=booked) - plain
 
-        if extra(lengths) <= 0 or self.budget.allows(-extra(lengths), future):
+        whole = extra(lengths)
+        if whole <= 0 or self.budget.allows(-whole, future):
             return lengths
         savings, longest = self._pessimistic_savings(request, future)
         invested = lengths.clamp(max=longest)  # no longer than speculation pays at pessimistic acceptance
@@ -575,7 +576,7 @@ class GoodputPolicy(DraftLengthPolicy):
             invested = torch.where(self._free, lengths, invested)  # lookup rows cost verify width only
         if longest > 0 and savings >= 2.0 * extra(invested):
             return invested
-        for longest in range(int(lengths.max()), 0, -1):
+        for longest in range(int(lengths.max()) - 1, 0, -1):  # the whole length was refused above
             capped = lengths.clamp(max=longest)
             if self.budget.allows(-extra(capped), future):
                 return capped
