@@ -234,3 +234,27 @@ def test_policies_that_stop_early_or_not():
     assert GoodputPolicy(GoodputSettings(early_stop="marginal")).stops_early
     assert build_policy(DynSpecConfig(policy="confidence")).stops_early
     assert not build_policy(DynSpecConfig(policy="static")).stops_early
+
+
+def test_the_lookahead_measurement_is_not_timed_as_drafting(monkeypatch):
+    """The draft's lookahead width is measured on the first call of a process, inside the first `propose`. Timed as
+    drafting, its seconds made the policy's first draft sample several times a draft forward's cost, which priced
+    drafting out of every later call."""
+    import time
+
+    measure = DraftModelProposer.lookahead_tokens
+
+    def slow_measurement(self):
+        time.sleep(0.3)
+        return measure(self)
+
+    monkeypatch.setattr(DraftModelProposer, "lookahead_tokens", slow_measurement)
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = repetitive_prompts([11], seed=0)
+    out = speculate(target, draft, ids, mask, num_speculative_tokens=2)
+    steps = out.dynspec_stats.steps
+    assert len(steps) > 3 and all(s.draft_seconds < 0.3 for s in steps)
+    drafting = [s for s in steps if s.requested_lengths[0] > 0]
+    assert len(drafting) > 3 and all(s.overhead_seconds >= 0.3 for s in drafting)  # the measurement is overhead
+    assert out.dynspec_stats.overhead_seconds >= 0.3 * len(drafting)
