@@ -61,6 +61,24 @@ def test_acceptance_rows_without_drafts_learn_nothing() -> None:
     assert float(estimator.mean(torch.tensor([0]))) == pytest.approx(0.6)
 
 
+def test_acceptance_of_a_row_that_stopped_drafting_drifts_back_to_the_prior() -> None:
+    """Two early rejections pull a row's estimate down; the plain steps that follow teach nothing, so without ageing
+    the low estimate (and the decision not to draft) would hold for the rest of the call."""
+    estimator = AcceptanceEstimator(prior_acceptance=0.6, prior_weight=4.0, decay=0.95)
+    estimator.reset(1)
+    row, none = torch.tensor([0]), torch.tensor([0])
+    for _ in range(2):
+        estimator.update(row, torch.tensor([1]), none)  # one draft token, rejected
+    low = float(estimator.mean(row))
+    assert low < 0.45
+    for _ in range(30):
+        estimator.update(row, none, none)  # plain steps
+    assert float(estimator.mean(row)) > low + 0.1
+    for _ in range(100):
+        estimator.update(row, none, none)
+    assert float(estimator.mean(row)) == pytest.approx(0.6, abs=0.01)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -187,6 +205,26 @@ def test_online_cost_model_ignores_a_stall_at_a_thinly_measured_point() -> None:
     for _ in range(3):
         observe(4, 1)
     assert float(model.verify(np.array([8]))[0]) == pytest.approx(true_verify(8))
+
+
+@pytest.mark.parametrize("ratio", [None, 0.4])
+def test_online_cost_model_prices_a_lone_slow_draft_step_at_most_at_the_prior(ratio: float | None) -> None:
+    """The first draft step timed 5x too slow (a burst of load, a one-off measurement): with a draft/target ratio,
+    the draft knot is worth at most that ratio times a plain step until fresh samples confirm it; without one the
+    slow sample stands (and would keep the policy from drafting, hence from measuring it again)."""
+    model = OnlineCostModel(warmup_steps=0)
+    model.draft_ratio = ratio
+    plain = torch.zeros(1, dtype=torch.long)
+    for _ in range(3):
+        model.observe(StepFeedback(torch.arange(1), plain, plain, plain, 0.0, 0.2, 1))
+    one = torch.ones(1, dtype=torch.long)
+    model.observe(StepFeedback(torch.arange(1), one, one, one, 0.5, 0.21, 2))  # true draft cost: 0.1 s
+    priced = float(model.draft(np.array([1]))[0])
+    assert priced == (pytest.approx(0.4 * 0.2) if ratio else pytest.approx(0.5))
+    assert float(model.evidence.draft(np.array([1]))[0]) == pytest.approx(0.5)  # the budget books what was measured
+    for _ in range(2):
+        model.observe(StepFeedback(torch.arange(1), one, one, one, 0.1, 0.21, 2))
+    assert float(model.draft(np.array([1]))[0]) == pytest.approx(0.1)  # confirmed: the median of three samples
 
 
 def test_goodput_runs_the_lengths_a_fresh_online_model_asks_for() -> None:

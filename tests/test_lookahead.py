@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogit
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.calibration import affordable_lookahead
+from hf_dynspec.calibration import LOOKAHEAD_ROUNDS, affordable_lookahead
 from hf_dynspec.candidates.draft_model import DraftModelProposer
 from hf_dynspec.placement import Placement
 from hf_dynspec.policies import DraftLengthPolicy, PolicyInput
@@ -178,17 +178,37 @@ def _stepped(step_width: int, factor: float = 2.0):
 
 @pytest.mark.parametrize(("most", "step_width", "expected", "widths"), [
     (8, 100, 8, [1, 2, 3, 5, 9]),  # wide forwards nearly free: every guess token
-    (8, 3, 2, [1, 2, 3, 5]),  # a forward over 5 tokens costs twice one: 2 guess tokens, wider ones not timed
-    (8, 1, 0, [1, 2]),  # two tokens already cost twice one: no lookahead
+    (8, 3, 2, [1, 2, 3, 5, 9]),  # a forward over 5 tokens costs twice one: 2 guess tokens
+    (8, 1, 0, [1, 2, 3, 5, 9]),  # two tokens already cost twice one: no lookahead
     (4, 100, 4, [1, 2, 3, 5]),  # the widest the lookahead allows is timed too
     (40, 100, 40, [1, 2, 3, 5, 9, 17, 33, 41]),
 ])
 def test_affordable_lookahead_is_the_widest_forward_within_the_cost(most, step_width, expected, widths):
     model = tiny_model("llama", seed=0)
     timer, timed = _stepped(step_width)
-    assert affordable_lookahead(model, most, 1.25, timer=timer) == expected and timed == widths
+    assert affordable_lookahead(model, most, 1.25, timer=timer) == expected
+    assert timed == widths * LOOKAHEAD_ROUNDS  # rounds that each time every width once
     timer, _ = _stepped(step_width, factor=1.2)  # within the cost: 20% more for the wider forwards is fine
     assert affordable_lookahead(model, most, 1.25, timer=timer) == most
+
+
+def _bursty(timer, burst: range, slowdown: float = 4.0):
+    """`timer`, with the calls numbered in `burst` (counting from 0) `slowdown` times slower: other processes."""
+    calls = iter(range(10**6))
+    return lambda width: timer(width) * (slowdown if next(calls) in burst else 1.0)
+
+
+@pytest.mark.parametrize(("step_width", "expected"), [(100, 8), (3, 2)])
+def test_affordable_lookahead_shrugs_off_a_burst_of_load(step_width, expected):
+    """A burst of load over fewer consecutive forwards than a round times leaves every width a clean sample. Priced
+    by one sample (or by samples taken back to back), a burst over the wider forwards would cut the lookahead, and a
+    burst over the one-token forward would let through forwards that cost too much."""
+    model = tiny_model("llama", seed=0)
+    widths = 5  # forwards over 1, 2, 3, 5 and 9 tokens
+    for first in range(widths * LOOKAHEAD_ROUNDS):
+        for length in range(1, widths + 1):
+            timer = _bursty(_stepped(step_width)[0], range(first, first + length))
+            assert affordable_lookahead(model, 8, 1.25, timer=timer) == expected, (first, length)
 
 
 def test_a_draft_drafts_token_by_token_where_lookahead_forwards_cost_too_much():
@@ -214,3 +234,27 @@ def test_policies_that_stop_early_or_not():
     assert GoodputPolicy(GoodputSettings(early_stop="marginal")).stops_early
     assert build_policy(DynSpecConfig(policy="confidence")).stops_early
     assert not build_policy(DynSpecConfig(policy="static")).stops_early
+
+
+def test_the_lookahead_measurement_is_not_timed_as_drafting(monkeypatch):
+    """The draft's lookahead width is measured on the first call of a process, inside the first `propose`. Timed as
+    drafting, its seconds made the policy's first draft sample several times a draft forward's cost, which priced
+    drafting out of every later call."""
+    import time
+
+    measure = DraftModelProposer.lookahead_tokens
+
+    def slow_measurement(self):
+        time.sleep(0.3)
+        return measure(self)
+
+    monkeypatch.setattr(DraftModelProposer, "lookahead_tokens", slow_measurement)
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = repetitive_prompts([11], seed=0)
+    out = speculate(target, draft, ids, mask, num_speculative_tokens=2)
+    steps = out.dynspec_stats.steps
+    assert len(steps) > 3 and all(s.draft_seconds < 0.3 for s in steps)
+    drafting = [s for s in steps if s.requested_lengths[0] > 0]
+    assert len(drafting) > 3 and all(s.overhead_seconds >= 0.3 for s in drafting)  # the measurement is overhead
+    assert out.dynspec_stats.overhead_seconds >= 0.3 * len(drafting)

@@ -130,6 +130,9 @@ LOOKAHEAD_WIDTHS = (2, 3, 5, 9, 17, 33)
 """Forward widths (the newest token plus guess tokens) `affordable_lookahead` times, besides one token and the widest
 the lookahead allows."""
 
+LOOKAHEAD_ROUNDS = 3
+"""Rounds of `affordable_lookahead`'s timing: each times every width once, and a width is worth its fastest sample."""
+
 LOOKAHEAD_CONTEXT = 32
 """Cached tokens under the forwards `affordable_lookahead` times (attention over them is cheap at any width)."""
 
@@ -148,10 +151,12 @@ def affordable_lookahead(
 
     Times forwards over 1 token and over `1 + g` tokens for `g + 1` in `LOOKAHEAD_WIDTHS` up to `1 + most` (and `1 +
     most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers over up to `narrow` rows
-    computed weight-first as the loop computes them; each width is worth the fastest of 3 forwards after one untimed
-    pass over all widths (other processes only ever slow a forward down). Returns the widest `g` within the cost at
+    computed weight-first as the loop computes them. After one untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds
+    each time every width once, and a width is worth its fastest sample: other processes only ever slow a forward
+    down, and a burst of load shorter than the rounds leaves every width a clean sample, where timing one width's
+    samples back to back could price that width alone at the burst's speed. Returns the widest `g` within the cost at
     that width and every narrower one, 0 when two tokens already cost more. Measured once per process, model and
-    setting; `timer` measures anew (for tests).
+    setting; `timer` (seconds of one forward over `width` tokens) measures anew (for tests).
     """
     key = (most, max_cost, narrow, torch.get_num_threads())
     cached = _AFFORDABLE.setdefault(model, {})
@@ -163,22 +168,26 @@ def affordable_lookahead(
 
 def _widest_within(widths: Sequence[int], max_cost: float, timer: WidthTimer) -> int:
     """The widest of `widths` (minus the newest token) whose forward, and every narrower one's, costs at most
-    `max_cost` times one token's."""
-    one = timer(1)
+    `max_cost` times one token's; each width priced at its fastest sample over `LOOKAHEAD_ROUNDS` interleaved rounds."""
+    samples: dict[int, list[float]] = {width: [] for width in (1, *widths)}
+    for _ in range(LOOKAHEAD_ROUNDS):
+        for width, timed in samples.items():
+            timed.append(timer(width))
+    one = min(samples[1])
     affordable = 0
     for width in widths:
-        if timer(width) > max_cost * one:
+        if min(samples[width]) > max_cost * one:
             break
         affordable = width - 1
     return affordable
 
 
 def _width_timer(model: PreTrainedModel, narrow: int, widths: Sequence[int]) -> WidthTimer:
-    """`timer(width)`: the fastest of 3 batch-1 forwards over `width` tokens, after one untimed pass over `widths`."""
+    """`timer(width)`: seconds of one batch-1 forward over `width` tokens, after one untimed pass over `widths`."""
     forward = _CachedForward(model, 1, LOOKAHEAD_CONTEXT, torch.Generator().manual_seed(0), narrow)
     for width in (1, *widths):
         forward(width, keep=width)
-    return lambda width: min(time_call(partial(forward, width, width), warmup=0, repeats=3))
+    return lambda width: time_call(partial(forward, width, width), warmup=0, repeats=1)[0]
 
 
 def _time_forwards(

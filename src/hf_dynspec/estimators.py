@@ -45,7 +45,11 @@ class AcceptanceEstimator:
     """Per-row Beta estimate of the probability that a row's next draft token is accepted.
 
     Per-row counts live in tensors indexed by the row's original batch index (`PolicyInput.row_ids`); `reset` clears
-    them at the start of a `generate` call while the pooled estimate (the prior of new rows) carries over.
+    them at the start of a `generate` call while the pooled estimate (the prior of new rows) carries over. Every
+    `update` (one per step) multiplies the counts of every row it names, and the pooled counts, by `decay`, whether
+    the row drafted or not: what was learned long ago weighs less, so an estimate that stopped a row from drafting
+    drifts back to the pooled one and then to the prior, and the row drafts again (without this, two early rejections
+    could keep a row from drafting for the rest of its call: plain steps teach nothing).
     """
 
     def __init__(self, prior_acceptance: float = 0.6, prior_weight: float = 4.0, decay: float = 0.95) -> None:
@@ -98,7 +102,7 @@ class AcceptanceEstimator:
 
         Args:
             row_ids: `[batch]` original row indices.
-            proposed: `[batch]` draft lengths actually proposed (rows with 0 teach nothing).
+            proposed: `[batch]` draft lengths actually proposed (rows with 0 teach nothing; their counts only age).
             accepted: `[batch]` accepted draft tokens, `0 <= accepted <= proposed`.
         """
         rows = self._rows(row_ids)
@@ -107,16 +111,22 @@ class AcceptanceEstimator:
             raise ValueError(
                 f"Accepted counts {accepted.tolist()} must lie between 0 and the proposed lengths {proposed.tolist()}."
             )
+        # Every step ages what is known of each row, drafting or not: a row that stopped drafting after a few
+        # rejections drifts back to the pooled prior and is tried again, instead of keeping a stale low estimate.
+        self.successes[rows] *= self.decay
+        self.failures[rows] *= self.decay
+        self.pooled_successes *= self.decay
+        self.pooled_failures *= self.decay
         seen = proposed > 0
         if not bool(seen.any()):
             return
         rows = rows[seen]
         wins = accepted[seen].double()
         losses = (accepted[seen] < proposed[seen]).double()
-        self.successes[rows] = self.decay * self.successes[rows] + wins
-        self.failures[rows] = self.decay * self.failures[rows] + losses
-        self.pooled_successes = self.decay * self.pooled_successes + float(wins.sum())
-        self.pooled_failures = self.decay * self.pooled_failures + float(losses.sum())
+        self.successes[rows] += wins
+        self.failures[rows] += losses
+        self.pooled_successes += float(wins.sum())
+        self.pooled_failures += float(losses.sum())
 
     def _rows(self, row_ids: torch.LongTensor) -> torch.LongTensor:
         rows = row_ids.cpu().long()
@@ -312,6 +322,9 @@ class OnlineCostModel(PaddedCostModel):
         self.draft_samples: dict[int, deque[tuple[float, int]]] = {}
         self.steps_observed = 0
         self._since_exploration = 0
+        self.draft_ratio: float | None = None
+        """Draft/target cost ratio assumed before any draft knot is confirmed (the policy sets the parameter ratio):
+        a draft knot with too few fresh samples is then worth at most this times a plain step at its batch size."""
         self.evidence = PaddedCostModel(None, None)
         """The knots as measured, without the optimism of provisional and stale knots: what the loss budget books
         steps at (a finished step's own timing is among the samples, so a cost measured once counts in full)."""
@@ -364,7 +377,7 @@ class OnlineCostModel(PaddedCostModel):
 
     def _refit(self) -> None:
         self.verify = self._fit(self.verify_samples, extrapolate=False)
-        self.draft = self._fit(self.draft_samples, extrapolate=False, typical=True)
+        self.draft = self._fit(self.draft_samples, extrapolate=False, typical=True, prior=self._draft_prior(self.verify))
         self.evidence = PaddedCostModel(_as_measured(self.verify_samples, min), _as_measured(self.draft_samples, _median))
 
     def has_measured(self, tokens: int) -> bool:
@@ -377,13 +390,28 @@ class OnlineCostModel(PaddedCostModel):
 
     def optimistic(self) -> PaddedCostModel:
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
-        return PaddedCostModel(self._fit(self.verify_samples, True), self._fit(self.draft_samples, True, typical=True))
+        verify = self._fit(self.verify_samples, True)
+        return PaddedCostModel(verify, self._fit(self.draft_samples, True, typical=True, prior=self._draft_prior(verify)))
+
+    def _draft_prior(self, verify: PiecewiseLinear | None) -> Callable[[np.ndarray], np.ndarray] | None:
+        """`draft_ratio` times a plain step at each batch size (`None` while either is unknown)."""
+        ratio = self.draft_ratio
+        if ratio is None or verify is None:
+            return None
+        return lambda batch_sizes: ratio * verify(np.asarray(batch_sizes, dtype=np.float64))
 
     def _fit(
-        self, samples: dict[int, deque[tuple[float, int]]], extrapolate: bool, typical: bool = False
+        self,
+        samples: dict[int, deque[tuple[float, int]]],
+        extrapolate: bool,
+        typical: bool = False,
+        prior: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> PiecewiseLinear | None:
         """Fastest sample per knot (the median if `typical`); provisional knots capped at what the confirmed knots
-        predict (within their range unless `extrapolate`); isotonic fit.
+        predict (within their range unless `extrapolate`), or at the `prior` while no knot is confirmed; isotonic fit.
+
+        Without the prior, one draft step timed slow (a burst of load) would price drafting out for good: a
+        length never chosen again is never measured again.
 
         Draft knots take the median: a step's draft seconds per draft token vary with the content, not only with
         interference (where the draft's lookahead guess holds, one forward yields several tokens), so the fastest
@@ -395,6 +423,10 @@ class OnlineCostModel(PaddedCostModel):
         provisional = [x for x in points if fresh[x] < self.confirm_samples]
         if base is not None and not extrapolate:
             provisional = [x for x in provisional if len(samples[x]) < self.confirm_samples or base.xs[0] <= x <= base.xs[-1]]
+        if base is None and prior is not None and provisional:
+            caps = prior(np.array(provisional, dtype=np.float64))
+            for x, cap in zip(provisional, caps.tolist()):
+                points[x] = (min(points[x][0], cap), points[x][1])
         if base is not None and provisional:
             caps = base(np.array(provisional, dtype=np.float64))
             kept = {x: value for x, (value, _) in points.items() if x not in provisional}

@@ -222,9 +222,9 @@ class _Run:
         if int(requested.max()) > 0:
             proposal = self.proposer.propose(batch, requested, early_stop, free_rows, node_budgets)
             proposal = self.decisions.proposal(proposal)
-            catchup = self.proposer.catchup_seconds
+            catchup, setup = self.proposer.catchup_seconds, self.proposer.setup_seconds
         else:
-            proposal, catchup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0
+            proposal, catchup, setup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0, 0.0
         drafted = self.placement.clock()
 
         # The proposal as a token tree (a chain is a tree of single children): the target checks every node at once.
@@ -240,10 +240,11 @@ class _Run:
         self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
         self.target_cache.settle()
         self.proposer.commit(batch, proposal, outcome.kept)
-        self._observe(requested, proposal, tree, outcome, drafted - start - catchup, catchup, verified - drafted, batch)
+        drafting = drafted - start - catchup - setup  # a one-off measurement is loop overhead, not a cost of drafting
+        self._observe(requested, proposal, tree, outcome, drafting, catchup, verified - drafted, batch)
         path_scores = self._path_scores(scores, outcome) if self.extra_criteria else None
         batch = self._emit(batch, outcome.emitted, outcome.accepted + 1, path_scores)
-        self._account_overhead(self.placement.clock() - begun - (drafted - start) - (verified - drafted))
+        self._account_overhead(self.placement.clock() - begun - (drafted - start) + setup - (verified - drafted))
         return batch
 
     @staticmethod

@@ -70,6 +70,9 @@ class BatchedProposer(ABC):
     catchup_seconds: float = 0.0
     #: tokens (padding included) of that catch-up forward
     catchup_tokens: int = 0
+    #: seconds the last `propose` spent on one-off measurements (the draft's lookahead width, once per process):
+    #: neither drafting nor catch-up, so the policy does not learn them as a cost of drafting
+    setup_seconds: float = 0.0
     #: `[batch]` rows the last `propose` served from a model-free proposal (hybrid proposers; `None` otherwise)
     last_free_rows: torch.BoolTensor | None = None
     #: the proposer's model (`None` for model-free proposers)

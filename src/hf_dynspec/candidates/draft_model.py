@@ -100,8 +100,10 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         width. An early stop judges every token as it is drawn, and a row it stops draws nothing more.
         """
         lengths = lengths.clone()
+        begun = self.placement.clock()
+        lookahead = self.lookahead = self.lookahead_tokens()  # measured on the first call of a process
+        self.setup_seconds = self.placement.clock() - begun
         ids, mask, positions = self._unseen_tail(batch)  # [batch, tail]
-        lookahead = self.lookahead = self.lookahead_tokens()
         reach = self._reach(batch, lengths, lookahead).clone()  # [batch] (cut in place by an early stop)
         chain = _Chain(batch.batch_size, int(reach.max()) if reach.numel() else 0, lengths.device)
         fed: list[torch.LongTensor] = []  # per forward: [batch, columns] node of each column after the tail, or -1

@@ -60,10 +60,11 @@ class HybridProposer(BatchedProposer):
             free_rows = offered >= lengths
         free_rows = free_rows.to(lengths.device) & (lengths > 0) & (offered > 0)
         by_draft = torch.where(free_rows, torch.zeros_like(lengths), lengths)
-        self.catchup_seconds, self.catchup_tokens, self._draft_proposal = 0.0, 0, None
+        self.catchup_seconds, self.catchup_tokens, self.setup_seconds, self._draft_proposal = 0.0, 0, 0.0, None
         if int(by_draft.max()) > 0:
             self._draft_proposal = self.draft.propose(batch, by_draft, early_stop)
             self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
+            self.setup_seconds = self.draft.setup_seconds
         found = [f[: int(n)] if bool(free) else f[:0] for f, n, free in zip(self._found, lengths, free_rows)]
         self._found = []
         self.last_free_rows = free_rows

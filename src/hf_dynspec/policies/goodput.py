@@ -152,7 +152,9 @@ class GoodputSettings:
     )
     prior_acceptance: float = field(default=0.6, metadata={"help": "Acceptance assumed before anything is observed."})
     prior_weight: float = field(default=4.0, metadata={"help": "Weight of the prior, in draft tokens."})
-    acceptance_decay: float = field(default=0.95, metadata={"help": "Per-step decay of a row's acceptance counts."})
+    acceptance_decay: float = field(
+        default=0.95, metadata={"help": "Per-step decay of a row's acceptance counts (drafting or not) and the pooled ones."}
+    )
     window: int = field(default=9, metadata={"help": "Online costs: recent samples kept per knot (the fastest counts)."})
     tolerance: float = field(
         default=0.25, metadata={"help": "Online costs: a point counts as measured within a factor 1 + tolerance."}
@@ -301,6 +303,8 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
+        if isinstance(self.cost_model, OnlineCostModel):
+            self.cost_model.draft_ratio = feedback.draft_cost_ratio
         self.budget.start(feedback.seconds)
         self.catchup.observe_prefill(feedback.seconds, feedback.tokens, feedback.draft_cost_ratio)
 
