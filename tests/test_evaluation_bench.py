@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import StoppingCriteriaList
 
-from hf_dynspec import DynSpecConfig, kernels
+from hf_dynspec import DynSpecConfig, calibration, kernels
 from hf_dynspec.commands import bench as bench_command
 from hf_dynspec.evaluation import bench, methods, plots, report, runner
 from hf_dynspec.evaluation.data import random_token_prompts
@@ -242,6 +242,22 @@ def test_tiny_benchmark_end_to_end(pair, tmp_path):
     assert "dynspec-goodput *" not in report.markdown_table(results)  # not the default once its options change
     for path in plots.write_plots(results, tmp_path / "plots"):
         assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_warm_up_pays_the_drafts_lookahead_measurement_even_when_no_call_drafts():
+    target, draft = tiny_pair(seed=3)  # a draft no other test has measured
+    settings = bench.BenchSettings(tiny=True, num_prompts=2, batch_sizes=[1], max_new_tokens=4,
+                                   methods="plain,dynspec-goodput", repetitions=1, warmup_tokens=1)
+    parsed = methods.parse_methods(settings.methods)
+    bench_runner = runner.Runner(target, draft, settings.max_new_tokens)
+    prompts = random_token_prompts(2, TINY_VOCAB, seed=5)
+    bench._warm_up(bench_runner, parsed, settings, prompts, None, progress=False)  # one token: nothing is drafted
+    config = parsed[1].dynspec_config
+    measured = calibration._AFFORDABLE.get(draft, {})
+    assert any(key[:2] == (config.draft_lookahead, config.draft_lookahead_max_cost) for key in measured)
+    outcome = bench_runner.run(parsed[0], prompts, 1, progress=False)
+    assert outcome.draft_forwards == 0  # the measurement's draft forwards are counted for no method
+    bench_runner.close()
 
 
 def test_long_tail_run_matches_plain(pair):

@@ -21,6 +21,19 @@ MAX_INLINE_TAIL = 2
 forward; wider ones are caught up in a forward of their own."""
 
 
+def draft_lookahead_tokens(draft_model: PreTrainedModel, config: DynSpecConfig, narrow: int = 0) -> int:
+    """Guess tokens a forward of `draft_model` may carry: `config.draft_lookahead`, cut to what stays within
+    `config.draft_lookahead_max_cost` times a one-token forward (`calibration.affordable_lookahead`: timed on the first
+    call of a process for this model and setting, cached after). `narrow`: the rows its linear layers compute
+    weight-first (`Placement.narrow_rows`)."""
+    most, max_cost = config.draft_lookahead, config.draft_lookahead_max_cost
+    if most == 0 or max_cost is None:
+        return most
+    from ..calibration import affordable_lookahead  # calibration imports the policies, which import this module
+
+    return affordable_lookahead(draft_model, most, max_cost, narrow)
+
+
 class DraftModelProposer(CandidateGenerator, BatchedProposer):
     """Proposes draft tokens with a smaller model that shares the target's vocabulary.
 
@@ -127,15 +140,9 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         return chain.proposal()
 
     def lookahead_tokens(self) -> int:
-        """Guess tokens a draft forward may carry: `draft_lookahead`, cut to what stays within
-        `draft_lookahead_max_cost` times a one-token forward of this draft (measured once per process)."""
-        most, max_cost = self.config.draft_lookahead, self.config.draft_lookahead_max_cost
-        if most == 0 or max_cost is None:
-            return most
-        from ..calibration import affordable_lookahead  # calibration imports the policies, which import this module
-
+        """Guess tokens a draft forward may carry (`draft_lookahead_tokens`, measured once per process)."""
         narrow = self.placement.narrow_rows.get(id(self.draft_model), 0)
-        return affordable_lookahead(self.draft_model, most, max_cost, narrow)
+        return draft_lookahead_tokens(self.draft_model, self.config, narrow)
 
     def _reach(self, batch: TokenBatch, lengths: torch.LongTensor, lookahead: int) -> torch.LongTensor:
         """`[batch]` most draft tokens each row may end with: its length, or with lookahead up to

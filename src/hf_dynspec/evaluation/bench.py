@@ -352,9 +352,12 @@ def _schedule(methods: list[Method], settings: BenchSettings) -> list[tuple[int,
 
 def _warm_up(runner, methods: list[Method], settings: BenchSettings, prompts, budgets, progress: bool) -> None:
     """One short untimed run of every (method, batch size) on the first prompts (at most 2: on a CPU the first call's
-    one-off costs do not depend on the batch, and a full batch's prefill would only cost time)."""
+    one-off costs do not depend on the batch, and a full batch's prefill would only cost time), after each method's
+    one-off measurements (`Runner.prepare`)."""
     if settings.warmup_tokens < 1:
         return
+    for method in methods:
+        runner.prepare(method)
     pairs = [(m, b) for b in settings.batch_sizes for m in methods]
     for method, batch_size in tqdm(pairs, desc="warm-up", leave=False, disable=not progress):
         count = min(2, batch_size, settings.prompts_for(batch_size))

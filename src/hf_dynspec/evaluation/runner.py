@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
+from ..candidates.draft_model import draft_lookahead_tokens
 from ..kernels import narrow_linear, narrow_rows
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
@@ -202,6 +203,16 @@ class Runner:
         outcome.target_forwards += self._target_counter.take()
         outcome.draft_forwards += self._draft_forwards()
         return outcome
+
+    def prepare(self, method: Method) -> None:
+        """Pay `method`'s one-off costs of a process now, untimed: the draft's lookahead width is measured on the
+        first call that drafts, which a short warm-up may not reach (a policy may wait before drafting), and would
+        otherwise be timed in whichever measured run drafts first."""
+        config = method.dynspec_config
+        draft = self._draft(method) if method.uses_draft else None
+        if method.kind == "dynspec" and draft is not None and config is not None:
+            draft_lookahead_tokens(draft, config, narrow_rows(draft, config.narrow_linear))
+            self._draft_forwards()  # the measurement's forwards are no method's
 
     def close(self) -> None:
         """Remove the forward hooks."""
