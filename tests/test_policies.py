@@ -34,7 +34,7 @@ from hf_dynspec.policies import (
     best_draft_lengths,
     build_policy,
 )
-from hf_dynspec.policies.confidence import ConfidenceStopper, acceptance_rates, best_threshold
+from hf_dynspec.policies.confidence import RATE_EDGES, ConfidenceStopper, acceptance_rates, best_threshold
 from hf_dynspec.policies.goodput import candidate_lengths
 
 # The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
@@ -487,7 +487,7 @@ def test_goodput_uses_the_confidence_stop_as_early_stop() -> None:
 
 def test_calibrated_acceptance_starts_at_the_draft_probability_and_learns_monotone_rates() -> None:
     stopper = ConfidenceStopper(ConfidenceSettings(adaptive=False))
-    assert stopper.acceptance_given(torch.tensor([0.05, 0.55, 0.95])).tolist() == pytest.approx([0.05, 0.55, 0.95])
+    assert stopper.acceptance_given(torch.tensor([0.05, 0.55, 0.9995])).tolist() == pytest.approx([0.05, 0.55, 0.9995])
     generator = np.random.default_rng(0)
     probs = generator.uniform(size=400)
     labels = (probs > 0.5).astype(np.float64)  # the draft is right exactly when it is more than half sure
@@ -498,7 +498,20 @@ def test_calibrated_acceptance_starts_at_the_draft_probability_and_learns_monoto
     rates = stopper.acceptance_given(torch.tensor([0.05, 0.35, 0.65, 0.95])).numpy()
     assert rates[0] < 0.05 and rates[1] < 0.05 and rates[2] > 0.95 and rates[3] > 0.95
     rates = acceptance_rates(probs, 1.0 - labels)  # a draft that is wrong when sure: rates still never fall
-    assert rates.shape == (10,) and (np.diff(rates) >= 0).all()
+    assert rates.shape == (len(RATE_EDGES) - 1,) and (np.diff(rates) >= 0).all()
+
+
+def test_calibrated_acceptance_tells_a_sure_draft_from_a_fairly_sure_one() -> None:
+    """Long drafts multiply many acceptances near 1: tokens at q = 0.9995 must not be priced like those at q = 0.92."""
+    generator = np.random.default_rng(1)
+    sure, fair = np.full(2000, 0.9995), np.full(2000, 0.92)
+    labels = np.concatenate([generator.uniform(size=2000) < 0.995, generator.uniform(size=2000) < 0.8]).astype(float)
+    stopper = ConfidenceStopper(ConfidenceSettings(adaptive=False, window=4000))
+    stopper.probs.extend(np.concatenate([sure, fair]).tolist())
+    stopper.labels.extend(labels.astype(int).tolist())
+    rates = stopper.acceptance_given(torch.tensor([0.9995, 0.92])).tolist()
+    assert rates[0] > 0.98 and rates[1] < 0.9  # (0.8 observed, raised to the empty bin below: 0.85)
+    assert rates[0] ** 10 > 0.8  # ten sure tokens in a row: still likely all accepted
 
 
 def offload_like_cost() -> PaddedCostModel:

@@ -93,9 +93,7 @@ class ConfidenceStopper:
         if self._rates is None:
             history = np.fromiter(self.probs, dtype=np.float64), np.fromiter(self.labels, dtype=np.float64)
             self._rates = acceptance_rates(*history)
-        query = probs.to("cpu", torch.float64).numpy()
-        return torch.from_numpy(self._rates[np.minimum((np.clip(query, 0.0, 1.0) * self._rates.size).astype(np.int64),
-                                                       self._rates.size - 1)])
+        return torch.from_numpy(self._rates[rate_bins(probs.to("cpu", torch.float64).numpy())])
 
     def observe(self, feedback: StepFeedback) -> None:
         """Record which recorded draft tokens were accepted, then re-fit the threshold."""
@@ -132,18 +130,32 @@ class ConfidenceStopper:
             self._pending = grown
 
 
-def acceptance_rates(probs: np.ndarray, labels: np.ndarray, bins: int = 10, prior_weight: float = 2.0) -> np.ndarray:
+RATE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+"""Bins of draft probability for calibrated acceptance: tenths, then finer towards 1, where long drafts live (ten
+tokens at a draft probability near 0.999 are all accepted far more often than ten tokens somewhere in [0.9, 1])."""
+
+
+def rate_bins(probs: np.ndarray, edges: tuple[float, ...] = RATE_EDGES) -> np.ndarray:
+    """`[m]` the bin of `edges` that holds each draft probability in `probs` (`[m]`, clipped to [0, 1])."""
+    index = np.searchsorted(np.asarray(edges[1:-1]), np.clip(probs, 0.0, 1.0), side="right")
+    return index.astype(np.int64)
+
+
+def acceptance_rates(
+    probs: np.ndarray, labels: np.ndarray, edges: tuple[float, ...] = RATE_EDGES, prior_weight: float = 2.0
+) -> np.ndarray:
     """`[bins]` how often draft tokens are accepted, by bin of their draft probability, from judged tokens.
 
-    `probs` / `labels` (`[m]`, 1 = accepted) are the judged history. The unit interval is cut into `bins` equal bins;
-    a bin's rate is its accepted count plus `prior_weight` pseudo-tokens accepted at the bin's centre probability
-    (so with no history the answer is the draft's own probability), and rates are made non-decreasing in the
-    probability (a surer draft is never predicted to be accepted less often).
+    `probs` / `labels` (`[m]`, 1 = accepted) are the judged history; `edges` cut the unit interval into bins
+    (`RATE_EDGES`). A bin's rate is its accepted count plus `prior_weight` pseudo-tokens accepted at the bin's centre
+    probability (so with no history the answer is about the draft's own probability), and rates are made
+    non-decreasing in the probability (a surer draft is never predicted to be accepted less often).
     """
-    centres = (np.arange(bins) + 0.5) / bins
-    index = np.minimum((probs * bins).astype(np.int64), bins - 1)
-    counts = np.bincount(index, minlength=bins)
-    accepted = np.bincount(index, weights=labels, minlength=bins)
+    bounds = np.asarray(edges, dtype=np.float64)
+    centres = (bounds[1:] + bounds[:-1]) / 2
+    index = rate_bins(probs, edges)
+    counts = np.bincount(index, minlength=centres.size)
+    accepted = np.bincount(index, weights=labels, minlength=centres.size)
     return np.maximum.accumulate((accepted + prior_weight * centres) / (counts + prior_weight))
 
 
