@@ -10,6 +10,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.prompt_lookup import lookup_match
 from hf_dynspec.policies import DraftLengthPolicy, PolicyInput
 
 
@@ -128,3 +129,28 @@ def test_hybrid_samples_follow_target_distribution(small_vocab_pair, k):  # noqa
 
     torch.manual_seed(0)
     assert_converges(draw, joint, sizes=(200, 2_000, 20_000))
+
+
+def test_lookup_anchor_is_the_suffix_a_row_shares_with_its_continuations_source() -> None:
+    """`lookup_match` against a brute-force reference over many random rows of a small alphabet."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        tokens = torch.randint(0, 3 + trial % 4, (int(torch.randint(2, 40, (1,), generator=generator)),),
+                               generator=generator)
+        max_anchor = int(torch.randint(0, 12, (1,), generator=generator))
+        continuation, anchor = lookup_match(tokens, 3, 1, 5, max_anchor)
+        expected = reference_lookup(tokens.tolist(), 3, 1, 5, max_anchor)
+        assert (continuation.tolist(), anchor) == expected, (tokens.tolist(), max_anchor)
+
+
+def reference_lookup(tokens: list[int], max_ngram: int, min_ngram: int, length: int, max_anchor: int):
+    n = len(tokens)
+    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
+        starts = [i for i in range(n - size) if tokens[i : i + size] == tokens[n - size :]]
+        if starts:
+            start = starts[-1] + size  # the latest occurrence, ending before the row's final token
+            anchor = size
+            while anchor < min(max_anchor, start) and tokens[start - anchor - 1] == tokens[n - anchor - 1]:
+                anchor += 1
+            return tokens[start : start + length], anchor
+    return [], 0

@@ -634,3 +634,39 @@ def test_padded_cost_model_prices_the_longest_draft() -> None:
     assert model.step_seconds(2, torch.tensor([0, 4])) == pytest.approx(1.0 + 9 / 9 + 4 * 0.5)
     candidates = torch.tensor([[0, 0], [0, 4], [4, 4]])
     assert model.candidate_seconds(2, candidates).tolist() == pytest.approx([1.0 + 1 / 9, 4.0, 4.0])
+
+
+# ---- goodput with a hybrid proposer: copies -------------------------------------------------------------------------
+def lookup_request(anchor: int, offered: int = 10) -> PolicyInput:
+    """One row that prompt lookup offers `offered` tokens, its final `anchor` tokens shared with their source."""
+    return PolicyInput(step=0, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([100]), max_draft_tokens=4,
+                       free_lengths=torch.tensor([offered]), free_anchors=torch.tensor([anchor]))
+
+
+def alternate_copies_and_misses(policy: GoodputPolicy, steps: int = 12) -> None:
+    """Row 0 alternates between copying a span (anchored by 12 tokens: all 10 lookup tokens accepted) and short
+    n-gram matches (anchored by 1: none accepted), served by lookup every step."""
+    policy.reset(1)
+    for step in range(steps):
+        copying = step % 2 == 0
+        policy.draft_lengths(lookup_request(12 if copying else 1))
+        accepted = 10 if copying else 0
+        policy.observe(StepFeedback(torch.tensor([0]), torch.tensor([10]), torch.tensor([10]), torch.tensor([accepted]),
+                                    0.0, 0.6, 11, free_rows=torch.tensor([True])))
+
+
+def served_by_lookup(policy: GoodputPolicy, anchor: int) -> int:
+    """Lookup tokens the policy asks of row 0 when its continuation is anchored by `anchor` tokens (0: none)."""
+    lengths = policy.draft_lengths(lookup_request(anchor))
+    free = policy.free_rows(lookup_request(anchor))
+    return int(lengths[0]) if free is not None and bool(free[0]) else 0
+
+
+def test_hybrid_learns_that_copies_are_accepted_where_other_lookups_are_not() -> None:
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None), cost_model=in_memory_cost())
+    alternate_copies_and_misses(policy)
+    assert served_by_lookup(policy, 12) >= 8  # a copy: a long lookup draft, no draft forward
+    assert served_by_lookup(policy, 1) == 0  # a short match: the draft model, or no draft at all
+    unsplit = GoodputPolicy(GoodputSettings(loss_budget=None, copy_anchor=0), cost_model=in_memory_cost())
+    alternate_copies_and_misses(unsplit)  # one estimate for every lookup: both kinds are priced alike
+    assert served_by_lookup(unsplit, 12) == served_by_lookup(unsplit, 1)

@@ -267,8 +267,10 @@ class _Run:
         budget (`None` for chains). Draft-model tokens are capped at `num_speculative_tokens`, prompt-lookup tokens
         of a hybrid at `prompt_lookup_max_tokens` (they cost no draft forward)."""
         backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_free)
+        anchors = self.proposer.free_anchors(batch) if free_lengths is not None else None
         request = PolicyInput(
-            step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget
+            step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget,
+            free_anchors=anchors,
         )
         lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):

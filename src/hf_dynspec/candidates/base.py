@@ -105,6 +105,11 @@ class BatchedProposer(ABC):
         """`[batch]` draft tokens a model-free proposal offers each row this step (hybrid proposers; else `None`)."""
         return None
 
+    def free_anchors(self, batch: TokenBatch) -> torch.LongTensor | None:
+        """`[batch]` after `free_lengths`: how many of each row's final tokens equal those before the source of its
+        model-free proposal (`prompt_lookup.lookup_match`; long while a row copies a span). `None` without one."""
+        return None
+
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         """After verification; `batch` is already updated.
 

@@ -14,7 +14,7 @@ import torch
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import DraftModelProposer
-from .prompt_lookup import PromptLookupProposer
+from .prompt_lookup import MAX_ANCHOR, PromptLookupProposer
 
 
 class HybridProposer(BatchedProposer):
@@ -24,6 +24,7 @@ class HybridProposer(BatchedProposer):
         self.draft = draft
         self.lookup = lookup
         self._found: list[torch.LongTensor] = []  # this step's lookup continuation of every row
+        self._anchors = torch.zeros(0, dtype=torch.long)  # [batch] and their anchors
         self._draft_proposal: Proposal | None = None
 
     @property
@@ -42,8 +43,14 @@ class HybridProposer(BatchedProposer):
 
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
         full = torch.full((batch.batch_size,), max_length, dtype=torch.long, device=batch.tokens.device)
-        self._found = self.lookup.continuations(batch, full)
+        self._found, self._anchors = self.lookup.matches(batch, full, MAX_ANCHOR)
         return torch.tensor([f.shape[0] for f in self._found], dtype=torch.long, device=batch.tokens.device)
+
+    def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
+        """`[batch]` anchors of this step's lookup continuations (`lookup_match`), after `free_lengths`."""
+        if self._anchors.shape[0] != batch.batch_size:
+            raise RuntimeError("`free_anchors` describes the continuations of `free_lengths`: call that first.")
+        return self._anchors
 
     def propose(
         self,

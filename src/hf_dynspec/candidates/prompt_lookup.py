@@ -8,6 +8,9 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 
+MAX_ANCHOR = 32
+"""Longest anchor `lookup_match` measures: enough to tell a row that copies a span from one that met a short n-gram."""
+
 
 def lookup_continuation(tokens: torch.LongTensor, max_ngram: int, min_ngram: int, length: int) -> torch.LongTensor:
     """Up to `length` tokens that followed the most recent earlier occurrence of the row's final n-gram.
@@ -17,14 +20,39 @@ def lookup_continuation(tokens: torch.LongTensor, max_ngram: int, min_ngram: int
     Args:
         tokens: `[num_tokens]` the row's real tokens.
     """
+    return lookup_match(tokens, max_ngram, min_ngram, length)[0]
+
+
+def lookup_match(
+    tokens: torch.LongTensor, max_ngram: int, min_ngram: int, length: int, max_anchor: int = 0
+) -> tuple[torch.LongTensor, int]:
+    """`lookup_continuation` and its anchor: how many of the row's final tokens equal those before the continuation's
+    source (at least the matched n-gram, at most `max_anchor`; 0 without a match). A long anchor means the row has been
+    copying that span for a while, and copies tend to go on.
+
+    Args:
+        tokens: `[num_tokens]` the row's real tokens.
+        max_anchor: longest anchor to measure (the n-gram's size when smaller).
+    """
     num_tokens = tokens.shape[0]
     for size in range(min(max_ngram, num_tokens - 1), min_ngram - 1, -1):
         windows = tokens[:-1].unfold(0, size, 1)  # [num_tokens - size, size], every n-gram but the final one
         hits = (windows == tokens[-size:]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + size
-            return tokens[start : start + length]
-    return tokens[:0]
+            return tokens[start : start + length], _anchor(tokens, start, size, max_anchor)
+    return tokens[:0], 0
+
+
+def _anchor(tokens: torch.LongTensor, start: int, size: int, max_anchor: int) -> int:
+    """Length of the common suffix of `tokens[:start]` and `tokens`, from `size` (already matched) up to `max_anchor`."""
+    reach = min(max_anchor, start)
+    if reach <= size:
+        return size
+    source = tokens[start - reach : start - size].flip(0)  # [reach - size] tokens before the match, nearest first
+    row_end = tokens[tokens.shape[0] - reach : tokens.shape[0] - size].flip(0)  # [reach - size]
+    differs = (source != row_end).nonzero()
+    return size + (int(differs[0]) if differs.numel() else reach - size)
 
 
 class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
@@ -53,13 +81,22 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
 
     def continuations(self, batch: TokenBatch, lengths: torch.LongTensor) -> list[torch.LongTensor]:
         """Each row's continuation (`[found]`, up to `lengths[b]` tokens, empty without a match or with length 0)."""
+        return self.matches(batch, lengths)[0]
+
+    def matches(
+        self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
+    ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
+        """`continuations` and their `[batch]` anchors (`lookup_match`; 0 for rows without a match or length 0)."""
         lengths = lengths.clamp(max=self.num_output_tokens)
-        return [
-            lookup_continuation(batch.real_tokens(row), self.max_ngram, self.min_ngram, int(lengths[row]))
+        empty = (batch.tokens.new_zeros(0), 0)
+        found = [
+            lookup_match(batch.real_tokens(row), self.max_ngram, self.min_ngram, int(lengths[row]), max_anchor)
             if int(lengths[row]) > 0
-            else batch.tokens.new_zeros(0)
+            else empty
             for row in range(batch.batch_size)
         ]
+        anchors = torch.tensor([anchor for _, anchor in found], dtype=torch.long, device=batch.tokens.device)
+        return [continuation for continuation, _ in found], anchors
 
     @staticmethod
     def proposal(batch: TokenBatch, found: list[torch.LongTensor]) -> Proposal:

@@ -23,6 +23,7 @@ class PolicyInput:
     backlog: torch.LongTensor | None = None  # [batch] tokens the draft model must catch up on before it drafts
     free_lengths: torch.LongTensor | None = None  # [batch] draft tokens a model-free proposal offers (hybrid only)
     max_tree_nodes: int = 0  # most draft nodes of a row's token tree (DynSpecConfig.tree_node_budget); 0 = chains
+    free_anchors: torch.LongTensor | None = None  # [batch] tokens the row's end shares with the free proposal's source
 
     @property
     def batch_size(self) -> int:

@@ -186,6 +186,14 @@ class GoodputSettings:
     lookup_prior_acceptance: float = field(
         default=0.5, metadata={"help": "Hybrid proposer: prompt-lookup acceptance assumed before anything is observed."}
     )
+    copy_anchor: int = field(
+        default=4,
+        metadata={"help": "Hybrid proposer: a lookup continuation whose row already shares at least this many final "
+                  "tokens with its source is a copy, with an acceptance estimate of its own (0: no such class)."},
+    )
+    copy_prior_acceptance: float = field(
+        default=0.9, metadata={"help": "Hybrid proposer: acceptance of copies assumed before any is observed."}
+    )
     tree_slack: float = field(
         default=0.15,
         metadata={"help": "Token trees: nodes are added while the verify forward costs at most this fraction more "
@@ -207,6 +215,8 @@ class GoodputSettings:
             raise ValueError(f"`profile` must be a path or a dict, got {type(self.profile).__name__}.")
         check_open_unit("prior_acceptance", self.prior_acceptance)
         check_open_unit("lookup_prior_acceptance", self.lookup_prior_acceptance)
+        check_open_unit("copy_prior_acceptance", self.copy_prior_acceptance)
+        check_int("copy_anchor", self.copy_anchor, 0)
         check_positive("prior_weight", self.prior_weight)
         decay = self.acceptance_decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
@@ -274,6 +284,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self.cost_model = cost_model if cost_model is not None else _build_cost_model(s)
         self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
+        self.copy_acceptance = AcceptanceEstimator(s.copy_prior_acceptance, s.prior_weight, s.acceptance_decay)
+        self._copying = torch.zeros(0, dtype=torch.bool)  # [batch] the step's rows whose lookup continues a copy
         self.stopper = _build_stopper(s.early_stop)
         self.marginal = s.early_stop == MARGINAL_STOP
         # The marginal stop's state of the current step, indexed by original row id (`PolicyInput.row_ids`):
@@ -296,6 +308,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def reset(self, num_rows: int) -> None:
         self.acceptance.reset(num_rows)
         self.lookup_acceptance.reset(num_rows)
+        self.copy_acceptance.reset(num_rows)
         if self.stopper is not None:
             self.stopper.reset(num_rows)
         # The loss budget and the count of plain steps since the last draft span every call the policy serves:
@@ -329,6 +342,7 @@ class GoodputPolicy(DraftLengthPolicy):
         batch, max_k = request.batch_size, request.max_draft_tokens
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
         self.last_exploration, self.last_blocked, self._free, self._probing = None, False, None, False
+        self._copying = self._copies(request)
         if batch == 0 or max_k == 0:
             return torch.zeros(batch, dtype=torch.long)
         catchup = self._catchup_seconds(request)
@@ -367,7 +381,7 @@ class GoodputPolicy(DraftLengthPolicy):
         rows, z = request.row_ids, self.settings.probe_z
         acceptance = self.acceptance.upper(rows, z)
         if request.free_lengths is not None:
-            acceptance = torch.maximum(acceptance, self.lookup_acceptance.upper(rows, z))
+            acceptance = torch.maximum(acceptance, self._lookup_estimate(rows, z))
         plain = self._plain_seconds(request.batch_size)
         draft = self.cost_model.draft if isinstance(self.cost_model, PaddedCostModel) else None
         per_forward = float(draft(np.array([request.batch_size]))[0]) if draft is not None else 0.0
@@ -393,7 +407,10 @@ class GoodputPolicy(DraftLengthPolicy):
         rows, proposed, accepted = feedback.row_ids.cpu(), feedback.draft_lengths.cpu(), feedback.accepted.cpu()
         self.acceptance.update(rows[by_draft], proposed[by_draft], accepted[by_draft])
         if free is not None:
-            self.lookup_acceptance.update(rows[free], proposed[free], accepted[free])
+            copies = free & self._copying if self._copying.shape == free.shape else torch.zeros_like(free)
+            self.copy_acceptance.update(rows[copies], proposed[copies], accepted[copies])
+            lookups = free & ~copies
+            self.lookup_acceptance.update(rows[lookups], proposed[lookups], accepted[lookups])
         self.cost_model.observe(feedback)
         self.catchup.observe(feedback.catchup_seconds, feedback.catchup_tokens)
         if self.stopper is not None:
@@ -624,11 +641,15 @@ class GoodputPolicy(DraftLengthPolicy):
         lengths = best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share)
         if request.free_lengths is None:
             return lengths, None
-        by_lookup = self.lookup_acceptance.upper(rows, z) if optimistic else self.lookup_acceptance.mean(rows)
+        by_lookup = self._lookup_estimate(rows, z if optimistic else None)
         # Lookup tokens cost no draft forward, so they are not held to the draft model's cap: only to what the
         # lookup offers (at most `prompt_lookup_max_tokens`) and to the row's remaining tokens.
         room = (request.remaining_tokens.cpu() - 1).clamp(min=0)
         lookup_caps = torch.minimum(room, request.free_lengths.cpu())  # [batch]
+        if self.settings.copy_anchor:
+            # Only copies are worth a verify of their own: the draft's lookahead already feeds every other row's
+            # continuation along its forward, and keeps what the draft agrees with.
+            lookup_caps = torch.where(self._copying, lookup_caps, 0)
         longest = max(max_k, int(lookup_caps.max()) if lookup_caps.numel() else 0)
         lookup_only = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(self.cost_model))
         better = (lookup_caps > 0) & (expected_tokens(by_lookup, lookup_caps) >= expected_tokens(by_draft, caps))
@@ -637,6 +658,22 @@ class GoodputPolicy(DraftLengthPolicy):
         )
         options = [(lengths, torch.zeros_like(better)), (lookup_only, lookup_only > 0), (mixed, better & (mixed > 0))]
         return max(options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, share))
+
+    def _copies(self, request: PolicyInput) -> torch.BoolTensor:
+        """`[batch]` rows whose lookup continuation is a copy: anchored by at least `copy_anchor` tokens."""
+        anchors, least = request.free_anchors, self.settings.copy_anchor
+        if anchors is None or least == 0:
+            return torch.zeros(request.batch_size, dtype=torch.bool)
+        return anchors.cpu() >= least
+
+    def _lookup_estimate(self, rows: torch.LongTensor, z: float | None) -> torch.Tensor:
+        """`[batch]` acceptance of each row's lookup continuation: the copy estimate for rows that copy, the lookup
+        estimate for the others; posterior means, or `z` standard deviations above them."""
+        def estimate(estimator: AcceptanceEstimator) -> torch.Tensor:
+            return estimator.mean(rows) if z is None else estimator.upper(rows, z)
+
+        copying = self._copying if self._copying.shape == rows.shape else torch.zeros(rows.shape, dtype=torch.bool)
+        return torch.where(copying, estimate(self.copy_acceptance), estimate(self.lookup_acceptance))
 
     def _rate(self, batch, option, by_draft: torch.Tensor, by_lookup: torch.Tensor, share: float) -> float:
         """Expected tokens per second of `option` (lengths, lookup rows), with the catch-up's `share` per token when
