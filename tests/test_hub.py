@@ -229,7 +229,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def test_export_with_model_and_settings(tmp_path: Path, model_dir: Path, draft) -> None:
-    config = DynSpecConfig(num_speculative_tokens=2)
+    config = DynSpecConfig(num_speculative_tokens=2, policy="static")  # drafts 2 every step, whatever the timings
     result = export_hub(tmp_path / "out", config=config, model=str(model_dir))
     out = result.out_dir
     assert result.model_name == "tiny-target" and result.tokenizer_saved
