@@ -154,3 +154,14 @@ def reference_lookup(tokens: list[int], max_ngram: int, min_ngram: int, length: 
                 anchor += 1
             return tokens[start : start + length], anchor
     return [], 0
+
+
+def test_anchors_need_the_steps_lookup_first():
+    from types import SimpleNamespace
+
+    from hf_dynspec.candidates.hybrid import HybridProposer
+    from hf_dynspec.candidates.prompt_lookup import PromptLookupProposer
+
+    proposer = HybridProposer(draft=None, lookup=PromptLookupProposer())  # the draft model plays no part here
+    with pytest.raises(RuntimeError, match="call that first"):
+        proposer.free_anchors(SimpleNamespace(batch_size=2))  # a step's rows, before `free_lengths` looked them up

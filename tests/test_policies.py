@@ -670,3 +670,9 @@ def test_hybrid_learns_that_copies_are_accepted_where_other_lookups_are_not() ->
     unsplit = GoodputPolicy(GoodputSettings(loss_budget=None, copy_anchor=0), cost_model=in_memory_cost())
     alternate_copies_and_misses(unsplit)  # one estimate for every lookup: both kinds are priced alike
     assert served_by_lookup(unsplit, 12) == served_by_lookup(unsplit, 1)
+
+
+@pytest.mark.parametrize("option", [{"copy_anchor": -1}, {"copy_anchor": 2.5}, {"copy_prior_acceptance": 1.0}])
+def test_copy_options_are_checked(option) -> None:
+    with pytest.raises(ValueError, match=next(iter(option))):
+        GoodputSettings(**option)
