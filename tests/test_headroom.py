@@ -57,3 +57,10 @@ def test_no_chain_verifies_fewer_times_than_the_disagreements_allow():
         verifies = out.dynspec_stats.num_steps
         assert verifies >= count.fewest_verifies
         assert verifies == count.fewest_verifies  # drafting to the end, a chain verifies exactly at the disagreements
+
+
+@pytest.mark.parametrize(("prompts", "new", "message"), [(PROMPTS, 0, "max_new_tokens"), ([[4, 5], []], 4, "one token")])
+def test_bad_input_is_refused(prompts, new, message):
+    target = tiny_model("llama", seed=0)
+    with pytest.raises(ValueError, match=message):
+        greedy_disagreements(target, target, prompts, max_new_tokens=new, progress=False)

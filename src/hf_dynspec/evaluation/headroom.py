@@ -48,6 +48,10 @@ def greedy_disagreements(
     Args:
         prompts: token ids of each prompt (one row at a time: no padding).
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be an integer >= 1 (tokens to decode per prompt), got {max_new_tokens!r}.")
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("Every prompt needs at least one token: the draft's guess of the first new token comes after it.")
     counts = []
     for prompt in tqdm(prompts, desc="disagreements", disable=not progress):
         ids = torch.tensor([list(prompt)], device=target.device)  # [1, prompt]
