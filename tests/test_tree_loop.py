@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.candidates import DraftTreeProposer, LookupTreeProposer
+from hf_dynspec.policies.static import StaticPolicy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,6 +87,68 @@ def test_tree_with_eos_inside_a_branch_and_compaction(pair):
     out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=90, eos_token_id=eos)
     assert torch.equal(out.sequences, expected)
     assert out.dynspec_stats.compactions > 0
+
+
+@pytest.mark.parametrize("threshold, deepest", [(1.0, 1), (0.0, 4)])
+def test_early_stop_ends_greedy_trees(pair, threshold, deepest):
+    """The confidence stop judges a tree's best node at each depth: a threshold no draft probability reaches ends
+    every tree at depth 1, one every probability reaches lets trees grow to the depth cap; output stays plain's."""
+    target, draft = pair
+    ids, mask = left_padded_prompts([5, 9, 12, 7], seed=3)
+    expected = plain(target, ids, mask, max_new_tokens=24)
+    options = {"threshold": threshold, "adaptive": False}
+    config = DynSpecConfig(policy="confidence", policy_options=options, num_speculative_tokens=4, tree_node_budget=8,
+                           tree_branching=2)
+    out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=24)
+    assert torch.equal(out.sequences, expected)
+    depths = [d for s in out.dynspec_stats.steps for d in s.draft_depths or []]
+    assert depths and max(depths) == deepest
+    if threshold == 1.0:
+        assert any(n > d for s in out.dynspec_stats.steps for n, d in zip(s.draft_lengths, s.draft_depths)), "no branch"
+
+
+class StopAtDepth(StaticPolicy):
+    """Drafts `depth_cap` deep and stops every tree after depth `stop_after`, recording what the stop is shown."""
+
+    def __init__(self, depth_cap: int, stop_after: int) -> None:
+        super().__init__(depth_cap)
+        self.stop_after = stop_after
+        self.seen: list[tuple[list[int], list[float]]] = []
+
+    def continue_drafting(self, row_ids, position, draft_probs):
+        positions = torch.as_tensor(position).expand(row_ids.shape[0])
+        self.seen.append((positions.tolist(), draft_probs.tolist()))
+        return positions + 1 < self.stop_after
+
+
+def test_early_stop_sees_each_depths_best_node(pair):
+    """The stop is shown one probability per row and depth, in order, with the draft's probability of its most likely
+    first token at depth 1; a tree grows no deeper than where it said stop, and the output stays plain's."""
+    target, draft = pair
+    ids, mask = left_padded_prompts([7], seed=2)
+    expected = plain(target, ids, mask, max_new_tokens=12)
+    policy = StopAtDepth(depth_cap=4, stop_after=2)
+    config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=6, tree_branching=2)
+    out = model_generate(target, ids, mask, config, draft, policy, max_new_tokens=12)
+    assert torch.equal(out.sequences, expected)
+    drafted = [step for step in out.dynspec_stats.steps if step.draft_lengths[0] > 0]
+    deep = [step for step in drafted if step.requested_lengths[0] > 2]  # the cap leaves room below depth 2
+    assert deep and all(step.draft_depths == [2] for step in deep)
+    assert all(step.draft_depths[0] <= 2 for step in drafted)
+    assert any(step.draft_lengths[0] > 2 for step in drafted), "no tree branched"
+    shown = [positions for positions, _ in policy.seen]  # depth 1, then depth 2 where the cap allows depth 3
+    assert shown.count([0]) == len(drafted) and shown.count([1]) == len(deep) and shown[0] == [0]
+    with torch.no_grad():  # the draft after the prompt and the prefill's token
+        first = draft(expected[:, : ids.shape[1] + 1]).logits[0, -1].softmax(-1).max()
+    assert policy.seen[0][1][0] == pytest.approx(float(first), rel=1e-3)
+    assert all(0.0 < q <= 1.0 for _, probs in policy.seen for q in probs)
+
+
+def model_generate(target, ids, mask, config, draft, policy, **kwargs):
+    return target.generate(
+        input_ids=ids, attention_mask=mask, assistant_model=draft, custom_generate=hf_dynspec.speculative_loop,
+        dynspec_config=config, dynspec_policy=policy, return_dict_in_generate=True, do_sample=False, **kwargs,
+    )
 
 
 def test_lookup_trie_matches_plain_greedy(pair):

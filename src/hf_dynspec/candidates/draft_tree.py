@@ -48,8 +48,9 @@ class _Candidates:
 class DraftTreeProposer(DraftModelProposer):
     """Proposes a token tree per row with a draft model; `lengths` cap each row's depth, `node_budgets` its size.
 
-    Without `node_budgets` a row gets as many nodes as its depth cap (the size of a chain of that length). A policy's
-    confidence early stop (`continue_drafting`) shapes chains only; a tree's values already rank its branches.
+    Without `node_budgets` a row gets as many nodes as its depth cap (the size of a chain of that length). In greedy
+    decoding a policy's early stop (`continue_drafting`) also ends a row's tree: it judges the chain of the row's most
+    valuable node at each depth, and the row grows no deeper once it says stop. Sampled trees keep their depth caps.
     """
 
     def __init__(self, *args, branching: int = 2, **kwargs) -> None:
@@ -84,8 +85,13 @@ class DraftTreeProposer(DraftModelProposer):
         candidates = self._root_children(root_scores, lengths > 0)
         fed: list[torch.LongTensor] = []  # per depth, [batch, width] candidate index of each fed draft-cache column
         context_length = self.ragged.length
+        reach = lengths.clone()  # [batch] depth each row may still grow to (cut where `early_stop` ends it)
         for depth in range(1, int(lengths.max())):
-            frontier, active = self._frontier(candidates, depth, lengths)  # [batch, width] each
+            if early_stop is not None and not self.do_sample:
+                reach = self._stop_growing(early_stop, candidates, depth, reach)
+                if not bool((reach > depth).any()):
+                    break
+            frontier, active = self._frontier(candidates, depth, reach)  # [batch, width] each
             scores = self._expand(batch, candidates, frontier, active, fed, context_length, depth)  # [b, width, v]
             fed.append(frontier)
             tokens, log_q = self._draw(scores)
@@ -132,6 +138,28 @@ class DraftTreeProposer(DraftModelProposer):
             ancestors=torch.eye(count, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1),
             q_index=torch.zeros_like(tokens),
         )
+
+    @staticmethod
+    def _stop_growing(
+        early_stop: EarlyStop, candidates: _Candidates, depth: int, reach: torch.LongTensor
+    ) -> torch.LongTensor:
+        """`reach` (`[batch]`) cut to `depth` where `early_stop` ends the row after its most valuable node at `depth`:
+        the tree is judged as the chain of its best nodes, each by the draft's probability of that node given its
+        parent (`position = depth - 1`). The other branches ride along: they cost no extra draft forward."""
+        rows = (reach > depth).nonzero().squeeze(1)  # [n] rows that could grow deeper
+        if rows.numel() == 0:
+            return reach
+        at_depth = torch.where(candidates.depths[rows] == depth, candidates.values[rows], float("-inf"))  # [n, c]
+        best = at_depth.argmax(dim=1, keepdim=True)  # [n, 1]
+        parents = candidates.parents[rows].gather(1, best)  # [n, 1], -1 at depth 1
+        parent_values = candidates.values[rows].gather(1, parents.clamp(min=0))  # [n, 1]
+        own = at_depth.gather(1, best) - torch.where(parents >= 0, parent_values, 0.0)  # [n, 1] log q given parent
+        positions = torch.full_like(rows, depth - 1)
+        keep = early_stop(rows, positions, own.squeeze(1).exp())
+        if keep is None:
+            return reach
+        stopped = rows[~keep.to(rows.device)]
+        return reach.index_fill(0, stopped, depth)
 
     def _frontier(
         self, candidates: _Candidates, depth: int, lengths: torch.LongTensor
