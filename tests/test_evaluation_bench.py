@@ -290,9 +290,10 @@ def test_scenario_presets_and_overrides():
     assert settings.policy_options == {"goodput": {"window": 3}}
     settings = bench_command.settings_from_args(_parse(["--scenario", "offload", "--policy-option",
                                                         "goodput@marginal.window=5"]))
-    assert settings.policy_options == {"goodput@marginal": {"early_stop": "marginal", "window": 5}}
+    marginal = {"early_stop": "marginal"}
+    assert settings.policy_options == {"goodput@marginal": {**marginal, "window": 5}, "tree": marginal}
     assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "35%"}
-    assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": {"early_stop": "marginal"}}
+    assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": marginal}
 
 
 def test_command_line_errors(capsys):
