@@ -46,6 +46,10 @@ def test_policy_options_reach_the_config():
     tagged = methods.parse_method("dynspec-goodput@slow:6", methods.parse_policy_options(["goodput@slow.window=2"]))
     assert tagged.name == "dynspec-goodput@slow:6" and tagged.dynspec_config.policy == "goodput"
     assert tagged.dynspec_config.policy_options == {"window": 2} and tagged.dynspec_config.num_speculative_tokens == 6
+    options = methods.parse_policy_options(["tree@stop.early_stop=marginal"])
+    stopped, plain_tree = (methods.parse_method(n, options).dynspec_config for n in ("dynspec-tree@stop:16:8", "dynspec-tree:16:8"))
+    assert stopped.policy_options == {"early_stop": "marginal"} and plain_tree.policy_options == {}
+    assert (stopped.policy, stopped.tree_node_budget, stopped.num_speculative_tokens) == ("goodput", 16, 8)
 
 
 def test_method_options_named_like_config_fields_set_the_config():

@@ -14,7 +14,8 @@
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
-takes its options from `policy_options["goodput@profile"]` (`dynspec-hybrid@x` from `policy_options["hybrid@x"]`).
+takes its options from `policy_options["goodput@profile"]` (`dynspec-hybrid@x` from `policy_options["hybrid@x"]`,
+`dynspec-tree@x:N:D` from `policy_options["tree@x"]`).
 Options named like a `DynSpecConfig` field (`draft_lookahead`, `prompt_lookup_max_tokens`, ...) set that field of
 the method's config instead: `goodput@stepwise.draft_lookahead=0` drafts token by token.
 
@@ -131,7 +132,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
-    if base in ("dynspec-tree", "dynspec-tree-lookup"):
+    if base.partition("@")[0] in ("dynspec-tree", "dynspec-tree-lookup"):
         return _tree_method(name, base, argument, policy_options)
     if base.startswith("dynspec-"):
         policy, _, tag = base[len("dynspec-") :].partition("@")
@@ -154,8 +155,10 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
 def _tree_method(
     name: str, base: str, argument: str | None, policy_options: dict[str, dict[str, Any]] | None
 ) -> Method:
-    """`goodput` with token trees: draft-model trees (`dynspec-tree`) or prompt-lookup tries (`dynspec-tree-lookup`)."""
+    """`goodput` with token trees: draft-model trees (`dynspec-tree`) or prompt-lookup tries (`dynspec-tree-lookup`);
+    a tag (`dynspec-tree@x`) takes its options from `policy_options["tree@x"]`."""
     options = dict((policy_options or {}).get(base[len("dynspec-") :], {}))
+    base = base.partition("@")[0]
     if base == "dynspec-tree":
         nodes_text, _, depth_text = (argument or "").partition(":")
         nodes = _count(name, nodes_text or None, DEFAULT_TREE_NODES)
