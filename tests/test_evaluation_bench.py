@@ -47,7 +47,9 @@ def test_policy_options_reach_the_config():
     assert tagged.name == "dynspec-goodput@slow:6" and tagged.dynspec_config.policy == "goodput"
     assert tagged.dynspec_config.policy_options == {"window": 2} and tagged.dynspec_config.num_speculative_tokens == 6
     options = methods.parse_policy_options(["tree@stop.early_stop=marginal"])
-    stopped, plain_tree = (methods.parse_method(n, options).dynspec_config for n in ("dynspec-tree@stop:16:8", "dynspec-tree:16:8"))
+    stopped, plain_tree = (
+        methods.parse_method(name, options).dynspec_config for name in ("dynspec-tree@stop:16:8", "dynspec-tree:16:8")
+    )
     assert stopped.policy_options == {"early_stop": "marginal"} and plain_tree.policy_options == {}
     assert (stopped.policy, stopped.tree_node_budget, stopped.num_speculative_tokens) == ("goodput", 16, 8)
 

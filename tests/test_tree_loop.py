@@ -129,7 +129,7 @@ def test_early_stop_sees_each_depths_best_node(pair):
     expected = plain(target, ids, mask, max_new_tokens=12)
     policy = StopAtDepth(depth_cap=4, stop_after=2)
     config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=6, tree_branching=2)
-    out = model_generate(target, ids, mask, config, draft, policy, max_new_tokens=12)
+    out = speculative(target, ids, mask, config, draft, dynspec_policy=policy, do_sample=False, max_new_tokens=12)
     assert torch.equal(out.sequences, expected)
     drafted = [step for step in out.dynspec_stats.steps if step.draft_lengths[0] > 0]
     deep = [step for step in drafted if step.requested_lengths[0] > 2]  # the cap leaves room below depth 2
@@ -142,13 +142,6 @@ def test_early_stop_sees_each_depths_best_node(pair):
         first = draft(expected[:, : ids.shape[1] + 1]).logits[0, -1].softmax(-1).max()
     assert policy.seen[0][1][0] == pytest.approx(float(first), rel=1e-3)
     assert all(0.0 < q <= 1.0 for _, probs in policy.seen for q in probs)
-
-
-def model_generate(target, ids, mask, config, draft, policy, **kwargs):
-    return target.generate(
-        input_ids=ids, attention_mask=mask, assistant_model=draft, custom_generate=hf_dynspec.speculative_loop,
-        dynspec_config=config, dynspec_policy=policy, return_dict_in_generate=True, do_sample=False, **kwargs,
-    )
 
 
 def test_lookup_trie_matches_plain_greedy(pair):
