@@ -133,6 +133,13 @@ def test_rank_dependent_goodput_decisions_are_overruled_by_rank_zero(ranks, expe
     assert ranks[0]["skewed_goodput"] == ranks[1]["skewed_goodput"] == expected[3]
 
 
+def test_rank_dependent_tree_stops_are_overruled_by_rank_zero(ranks, expected) -> None:
+    """Rank 0 stops its trees at depth 1 and rank 1 grows them 3 deep: rank 0's trees are verified on both."""
+    shown = [r["skewed_tree_stop_shown"] for r in ranks]
+    assert set(shown[0]) == {0} and {0, 1} <= set(shown[1])  # the ranks' own trees differ in depth
+    assert ranks[0]["skewed_tree_stop"] == ranks[1]["skewed_tree_stop"] == expected[3]
+
+
 def test_draft_must_be_a_full_copy_on_each_rank_device(ranks) -> None:
     for result in ranks:
         assert "draft.to(model.device)" in result["error_misplaced_draft"]

@@ -21,6 +21,7 @@ from hf_dynspec import DynSpecConfig
 from hf_dynspec.distributed import DecisionBroadcast
 from hf_dynspec.placement import Placement
 from hf_dynspec.policies import GoodputPolicy, PolicyInput, StepFeedback
+from hf_dynspec.policies.static import StaticPolicy
 
 NEW_TOKENS = 16
 
@@ -59,6 +60,21 @@ class RankSkewedGoodput(GoodputPolicy):
     def observe(self, feedback: StepFeedback) -> None:
         feedback.draft_seconds *= 100.0**self.rank
         super().observe(feedback)
+
+
+class RankSkewedTreeStop(StaticPolicy):
+    """Trees 3 deep that rank 0 stops after depth 1 and other ranks never stop, as a timing-based stop could decide:
+    each rank grows a different tree, and only rank 0's may be verified. `shown` records the positions each rank judged."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(3)
+        self.rank = rank
+        self.shown: list[int] = []
+
+    def continue_drafting(self, row_ids, position, draft_probs):
+        positions = torch.as_tensor(position).expand(row_ids.shape[0])
+        self.shown.extend(positions.tolist())
+        return torch.full_like(positions, self.rank > 0, dtype=torch.bool)
 
 
 def speculative(target, draft, ids, mask, eos, **kwargs) -> list[list[int]]:
@@ -116,6 +132,13 @@ def main(target_dir: str, draft_dir: str, inputs_path: str, out_dir: str) -> Non
         dynspec_policy=policy,
     )
     results["skewed_goodput_raw"] = policy.raw
+
+    stop = RankSkewedTreeStop(rank)
+    results["skewed_tree_stop"] = speculative(
+        target, draft, ids, mask, eos, do_sample=False, dynspec_config=POLICY_CONFIGS["goodput_tree"],
+        dynspec_policy=stop,
+    )
+    results["skewed_tree_stop_shown"] = stop.shown
 
     elsewhere = Placement(torch.device("cpu"), torch.device("cpu"), torch.device("meta"))  # a draft off this device
     results["error_misplaced_draft"] = error_of(lambda: DecisionBroadcast.for_run(target, draft, elsewhere))
