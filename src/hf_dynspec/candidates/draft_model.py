@@ -156,22 +156,30 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self, batch: TokenBatch, chain: _Chain, lengths: torch.LongTensor, reach: torch.LongTensor, lookahead: int
     ) -> tuple[torch.LongTensor, torch.LongTensor]:
         """`[batch, g]` prompt-lookup guesses of each row's next draft tokens (all but its last, which is never fed)
-        and their mask; width 0 without lookahead.
+        and their mask; width 0 without lookahead."""
+        wanted = torch.where(chain.done < lengths, reach - chain.done - 1, 0).clamp(min=0)  # [batch]
+        drafted = [chain.tokens[row, : int(chain.done[row])] for row in range(batch.batch_size)]
+        return self._lookups(batch, drafted, wanted, lookahead)
+
+    def _lookups(
+        self, batch: TokenBatch, drafted: list[torch.LongTensor], wanted: torch.LongTensor, lookahead: int
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """`[batch, g]` prompt-lookup continuations of each row's tokens followed by its `drafted` ones, at most
+        `wanted[b]` long, and their mask.
 
         A forward is saved only when every drafting row's guess holds, while each guess widens the forward, so the
         `lookahead` guess tokens of a forward are shared among the rows that want them: all to one row at batch
         size 1 (where a wider forward costs little), none when more rows draft than there are guess tokens."""
-        wanted = torch.where(chain.done < lengths, reach - chain.done - 1, 0).clamp(min=0)  # [batch]
         share = lookahead // max(1, int((wanted > 0).sum()))
         if share == 0:
-            return chain.tokens.new_zeros((batch.batch_size, 0)), chain.tokens.new_zeros((batch.batch_size, 0))
+            return batch.tokens.new_zeros((batch.batch_size, 0)), batch.tokens.new_zeros((batch.batch_size, 0))
         wanted = wanted.clamp(max=share)
         found = [
             lookup_continuation(
-                torch.cat([batch.real_tokens(row), chain.tokens[row, : int(chain.done[row])]]),
+                torch.cat([batch.real_tokens(row), drafted[row].to(batch.tokens.device)]),
                 self.config.prompt_lookup_max_ngram, self.config.prompt_lookup_min_ngram, int(wanted[row]),
             )
-            if int(wanted[row]) > 0 else chain.tokens.new_zeros(0)
+            if int(wanted[row]) > 0 else batch.tokens.new_zeros(0)
             for row in range(batch.batch_size)
         ]
         padded = PromptLookupProposer.proposal(batch, found)  # [batch, g] tokens and each row's count

@@ -13,7 +13,14 @@ candidates:
   tree is the first candidates in creation order, so whether a node is proposed never depends on its own token, as
   the multi-draft rejection sampler requires for the output to follow the target exactly.
 
-Draft-cache columns of fed frontier nodes stay only if the verifier accepts them (`commit`), as in a chain.
+With `DynSpecConfig.draft_lookahead`, each forward also feeds a prompt-lookup guess of the path below the row's best
+node being expanded (the root, in the first forward), as a chain's forwards do. Where the guess's next token is one of
+that node's children, the guess column's logits already give that child's own children, and so on along the guess.
+A depth whose best node lookahead has expanded this way costs no forward: only the nodes lookahead expanded grow
+there, the others stay leaves. Output does not change (the target decides every token); only the tree's shape does.
+
+Draft-cache columns of fed frontier nodes and guesses stay only if the verifier accepts them (`commit`), as in a
+chain.
 """
 
 from __future__ import annotations
@@ -45,6 +52,35 @@ class _Candidates:
         return int(self.tokens.shape[1])
 
 
+@dataclass
+class _Growth:
+    """A tree being grown: its candidates, which of them have children, the draft-cache columns fed after the tail
+    and, when sampling, the distributions children were drawn from."""
+
+    candidates: _Candidates
+    expanded: torch.BoolTensor  # [batch, created] True once the node's children exist
+    fed: list[torch.LongTensor]  # per forward, [batch, columns] candidate index of each fed column, -1 for none
+    q_store: list[torch.Tensor]  # sampling only: [batch, n, vocab] per expansion; `stored` counts them all
+    stored: int
+
+    def grow(
+        self,
+        frontier: torch.LongTensor,  # [batch, width] candidate index of each expanded node
+        active: torch.BoolTensor,  # [batch, width] whether it really expands
+        children: tuple[torch.LongTensor, torch.Tensor],  # tokens and log q, [batch, width, branching] each
+        q: torch.Tensor | None,  # [batch, width, vocab] the distributions they were drawn from, when sampling
+    ) -> None:
+        """Append the frontier's children and mark the frontier expanded."""
+        created = self.candidates.count
+        self.candidates = _grow(self.candidates, frontier, active, *children, self.stored)
+        marks = torch.zeros_like(self.expanded, dtype=torch.long).scatter_add_(1, frontier, active.long()) > 0
+        new = self.candidates.count - created
+        self.expanded = torch.cat([self.expanded | marks, marks.new_zeros((marks.shape[0], new))], dim=1)
+        if q is not None:
+            self.q_store.append(q)
+        self.stored += frontier.shape[1]
+
+
 class DraftTreeProposer(DraftModelProposer):
     """Proposes a token tree per row with a draft model; `lengths` cap each row's depth, `node_budgets` its size.
 
@@ -72,35 +108,48 @@ class DraftTreeProposer(DraftModelProposer):
         self._fed_nodes = lengths.new_zeros((batch.batch_size, 0))
         if int(lengths.max()) == 0:
             return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths), None)
-        rows = torch.arange(batch.batch_size, device=lengths.device)
-        no_drafts = ids.new_zeros((batch.batch_size, 0))
-        root_logits = self._forward(ids, mask, positions)[:, -1]  # [batch, vocab]
-        root_scores = process_path_logits(
-            self.logits_processor, batch, rows, no_drafts, torch.zeros_like(lengths), root_logits
-        )  # [batch, vocab]
-        # Sampling only: the distributions children are drawn from, [batch, 1, vocab] at the root, then
-        # [batch, width, vocab] per depth; `stored` counts them (a candidate's `q_index` points into them).
-        q_store = [root_scores.softmax(dim=-1).unsqueeze(1)] if self.do_sample else []
-        stored = 1
-        candidates = self._root_children(root_scores, lengths > 0)
-        fed: list[torch.LongTensor] = []  # per depth, [batch, width] candidate index of each fed draft-cache column
-        context_length = self.ragged.length
+        begun = self.placement.clock()
+        lookahead = self.lookahead = self.lookahead_tokens()  # measured on the first call of a process
+        self.setup_seconds = self.placement.clock() - begun
         reach = lengths.clone()  # [batch] depth each row may still grow to (cut where `early_stop` ends it)
+        root = torch.full_like(lengths, -1)  # the root's children have parent -1
+        guess = self._tree_guesses(batch, None, root, lengths > 0, reach, lookahead)  # [batch, g] tokens and mask
+        offsets = torch.arange(1, guess[0].shape[1] + 1, device=positions.device)
+        logits = self._forward(
+            torch.cat([ids, guess[0]], 1), torch.cat([mask, guess[1]], 1),
+            torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guess[0].shape[1],
+        )  # [batch, 1 + g, vocab]: the root, then each guess
+        context_length = self.ragged.length - guess[0].shape[1]  # the row's context before the tree
+        rows = torch.arange(batch.batch_size, device=lengths.device)
+        root_scores = process_path_logits(
+            self.logits_processor, batch, rows, ids.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths),
+            logits[:, 0],
+        )  # [batch, vocab]
+        candidates = self._root_children(root_scores, lengths > 0)
+        growth = _Growth(
+            candidates, torch.zeros_like(candidates.tokens, dtype=torch.bool), [],
+            [root_scores.softmax(dim=-1).unsqueeze(1)] if self.do_sample else [], 1,
+        )
+        self._adopt_guesses(batch, growth, root, guess, logits[:, 1:], reach)
         for depth in range(1, int(lengths.max())):
             if early_stop is not None and not self.do_sample:
-                reach = self._stop_growing(early_stop, candidates, depth, reach)
+                reach = self._stop_growing(early_stop, growth.candidates, depth, reach)
                 if not bool((reach > depth).any()):
                     break
-            frontier, active = self._frontier(candidates, depth, reach)  # [batch, width] each
-            scores = self._expand(batch, candidates, frontier, active, fed, context_length, depth)  # [b, width, v]
-            fed.append(frontier)
-            tokens, log_q = self._draw(scores)
-            candidates = _grow(candidates, frontier, active, tokens, log_q, stored)
-            stored += frontier.shape[1]
-            if self.do_sample:
-                q_store.append(scores.softmax(dim=-1))
-        fed_columns = torch.cat(fed, dim=1) if fed else lengths.new_zeros((batch.batch_size, 0))
-        q_all = torch.cat(q_store, dim=1) if q_store else None
+            frontier, active = self._frontier(growth, depth, reach)  # [batch, width] each
+            if frontier is None:  # lookahead already expanded every row's best node here: no forward
+                continue
+            anchor = frontier[:, 0]  # [batch] each row's best node to expand: guesses follow it
+            guess = self._tree_guesses(batch, growth.candidates, anchor, active[:, 0], reach, lookahead)
+            scores, guess_logits = self._expand(batch, growth, frontier, active, guess, context_length, depth)
+            growth.fed.append(torch.where(active, frontier, -1))
+            growth.grow(frontier, active, self._draw(scores), scores.softmax(dim=-1) if self.do_sample else None)
+            self._adopt_guesses(batch, growth, torch.where(active[:, 0], anchor, -2), guess, guess_logits, reach)
+        candidates = growth.candidates
+        too_deep = candidates.depths > reach.unsqueeze(1)  # lookahead may have grown past where the stop ended a row
+        candidates.values = candidates.values.masked_fill(too_deep, float("-inf"))
+        fed_columns = torch.cat(growth.fed, dim=1)
+        q_all = torch.cat(growth.q_store, dim=1) if growth.q_store else None
         return self._select(candidates, budgets, fed_columns, q_all, batch)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
@@ -162,52 +211,123 @@ class DraftTreeProposer(DraftModelProposer):
         return reach.index_fill(0, stopped, depth)
 
     def _frontier(
-        self, candidates: _Candidates, depth: int, lengths: torch.LongTensor
-    ) -> tuple[torch.LongTensor, torch.BoolTensor]:
-        """The `branching` most valuable candidates at `depth` (`[batch, width]`), active where the row's depth cap
-        allows going deeper."""
+        self, growth: _Growth, depth: int, reach: torch.LongTensor
+    ) -> tuple[torch.LongTensor | None, torch.BoolTensor | None]:
+        """The `branching` most valuable candidates at `depth` that have no children yet (`[batch, width]`), active
+        where the row's depth cap allows going deeper; `(None, None)` when no row needs a forward at `depth`: each
+        row's best node there already has children (grown by lookahead), or the row may not grow deeper."""
+        candidates = growth.candidates
         at_depth = torch.where(candidates.depths == depth, candidates.values, float("-inf"))  # [batch, created]
-        best = at_depth.topk(min(self.branching, candidates.count), dim=1)
-        return best.indices, torch.isfinite(best.values) & (lengths > depth).unsqueeze(1)
+        best = at_depth.max(dim=1)
+        needs = torch.isfinite(best.values) & (reach > depth) & ~growth.expanded.gather(1, best.indices[:, None])[:, 0]
+        if not bool(needs.any()):
+            return None, None
+        open_nodes = at_depth.masked_fill(growth.expanded, float("-inf"))
+        top = open_nodes.topk(min(self.branching, candidates.count), dim=1)
+        return top.indices, torch.isfinite(top.values) & (reach > depth).unsqueeze(1)
 
     def _expand(
         self,
         batch: TokenBatch,
-        candidates: _Candidates,
+        growth: _Growth,
         frontier: torch.LongTensor,  # [batch, width] candidate indices
         active: torch.BoolTensor,  # [batch, width]
-        fed: list[torch.LongTensor],
+        guess: tuple[torch.LongTensor, torch.LongTensor],  # [batch, g] tokens and mask below each row's frontier[:, 0]
         context_length: int,
         depth: int,
-    ) -> torch.Tensor:
-        """One draft forward over the frontier; its processed scores `[batch, width, vocab]`."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over the frontier and the guesses: the frontier's processed scores `[batch, width,
+        vocab]` and the guesses' raw logits `[batch, g, vocab]`."""
+        candidates = growth.candidates
         rows = torch.arange(batch.batch_size, device=frontier.device).unsqueeze(1)  # [batch, 1]
-        width = frontier.shape[1]
-        fed_columns = torch.cat(fed, dim=1) if fed else frontier[:, :0]  # [batch, fed]
-        sees_fed = candidates.ancestors[rows.unsqueeze(2), frontier.unsqueeze(2), fed_columns.unsqueeze(1)]
+        width, guesses, guessed = frontier.shape[1], guess[0], guess[1].bool()
+        fed_columns = torch.cat(growth.fed, dim=1)  # [batch, fed]
+        sees_fed = candidates.ancestors[rows.unsqueeze(2), frontier.unsqueeze(2), fed_columns.clamp(min=0).unsqueeze(1)]
+        sees_fed = sees_fed & (fed_columns >= 0).unsqueeze(1)  # [batch, width, fed] a node sees its fed ancestors
+        queries = torch.cat([active, guessed], dim=1)  # [batch, width + g]
+        block = torch.eye(width + guesses.shape[1], dtype=torch.bool, device=frontier.device).repeat(batch.batch_size, 1, 1)
+        block[:, width:, width:] |= torch.ones_like(block[:, width:, width:]).tril() & guessed.unsqueeze(1)
+        block[:, width:, 0] = guessed  # a guess follows frontier node 0 and the guesses before it
         visibility = torch.cat(
             [
-                active.unsqueeze(2).expand(-1, -1, context_length),  # the row's context before the tree
-                sees_fed & active.unsqueeze(2),  # fed tree nodes: its ancestors only
-                torch.eye(width, dtype=torch.bool, device=frontier.device).expand(batch.batch_size, -1, -1),
+                queries.unsqueeze(2).expand(-1, -1, context_length),  # the row's context before the tree
+                torch.cat([sees_fed, sees_fed[:, :1].expand(-1, guesses.shape[1], -1)], dim=1) & queries.unsqueeze(2),
+                block,
             ],
             dim=2,
-        )  # [batch, width, cache length + width]
-        positions = (batch.num_real - 1 + depth).unsqueeze(1).expand(-1, width)
+        )  # [batch, width + g, cache length + width + g]
+        offsets = torch.cat([torch.zeros(width, dtype=torch.long), torch.arange(1, guesses.shape[1] + 1)])
+        positions = (batch.num_real - 1 + depth).unsqueeze(1) + offsets.to(frontier.device)
         self.forwards += 1
         logits = self.placement.forward(
-            self.draft_model, self.ragged, candidates.tokens[rows, frontier], active.long(), positions, width,
-            visibility, head=self.head,
-        )  # [batch, width, vocab]
+            self.draft_model, self.ragged, torch.cat([candidates.tokens[rows, frontier], guesses], dim=1),
+            queries.long(), positions, width + guesses.shape[1], visibility, head=self.head,
+        )  # [batch, width + g, vocab]
         scores = process_path_logits(
             self.logits_processor,
             batch,
             rows.expand(-1, width).reshape(-1),
             candidates.paths[rows, frontier].flatten(0, 1),
             candidates.depths[rows, frontier].flatten(),
-            logits.flatten(0, 1),
+            logits[:, :width].flatten(0, 1),
         )
-        return scores.view_as(logits)
+        return scores.view(batch.batch_size, width, -1), logits[:, width:]
+
+    # ---- lookahead -------------------------------------------------------------------------------------------------
+    def _tree_guesses(
+        self,
+        batch: TokenBatch,
+        candidates: _Candidates | None,
+        anchor: torch.LongTensor,  # [batch] candidate whose path the guesses continue, -1 for the root
+        wanted: torch.BoolTensor,  # [batch] rows that expand `anchor`
+        reach: torch.LongTensor,  # [batch]
+        lookahead: int,
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """`[batch, g]` prompt-lookup guesses of the path below each row's `anchor`, and their mask: only as deep as
+        the row may grow (a guess's node is useful when its children are allowed)."""
+        if candidates is None:
+            depth, paths = torch.zeros_like(anchor), anchor.new_zeros((anchor.shape[0], 0))
+        else:
+            index = anchor.clamp(min=0).unsqueeze(1)  # [batch, 1]
+            depth = candidates.depths.gather(1, index)[:, 0]
+            paths = candidates.paths.gather(1, index.unsqueeze(2).expand(-1, -1, candidates.paths.shape[2]))[:, 0]
+        room = torch.where(wanted, reach - depth - 1, 0).clamp(min=0)  # [batch]
+        drafted = [paths[row, : int(depth[row])] for row in range(batch.batch_size)]
+        return self._lookups(batch, drafted, room, lookahead)
+
+    def _adopt_guesses(
+        self,
+        batch: TokenBatch,
+        growth: _Growth,
+        anchor: torch.LongTensor,  # [batch] node the guesses follow: -1 the root, -2 none
+        guess: tuple[torch.LongTensor, torch.LongTensor],  # [batch, g] tokens and mask
+        logits: torch.Tensor,  # [batch, g, vocab] the draft's logits after each guess
+        reach: torch.LongTensor,  # [batch]
+    ) -> None:
+        """Walk each row's guess from `anchor`: while the next guess token is a child of the current node (and that
+        child may grow), the child takes its children from the guess column's logits. Records the node of each guess
+        column (-1 past the walk) as fed."""
+        guesses, guessed = guess
+        nodes = torch.full_like(guesses, -1)  # [batch, g]
+        walking, current = guessed.any(dim=1), anchor
+        rows = torch.arange(batch.batch_size, device=anchor.device)
+        for j in range(guesses.shape[1]):
+            candidates = growth.candidates
+            match = (candidates.parents == current.unsqueeze(1)) & (candidates.tokens == guesses[:, j : j + 1])
+            match &= torch.isfinite(candidates.values)  # [batch, created]
+            child = match.long().argmax(dim=1)  # [batch]
+            depth = candidates.depths.gather(1, child.unsqueeze(1))[:, 0]
+            walking = walking & guessed[:, j].bool() & match.any(dim=1) & (reach > depth)
+            if not bool(walking.any()):
+                break
+            nodes[:, j] = torch.where(walking, child, -1)
+            scores = process_path_logits(
+                self.logits_processor, batch, rows, candidates.paths[rows, child], depth, logits[:, j]
+            ).unsqueeze(1)  # [batch, 1, vocab]
+            growth.grow(child.unsqueeze(1), walking.unsqueeze(1), self._draw(scores),
+                        scores.softmax(dim=-1) if self.do_sample else None)
+            current = child
+        growth.fed.append(nodes)
 
     # ---- the proposal ----------------------------------------------------------------------------------------------
     def _select(
@@ -236,7 +356,8 @@ class DraftTreeProposer(DraftModelProposer):
             return values.new_full((batch.batch_size, width + 1), fill).scatter_(1, slot, values)[:, :width]
 
         parent_nodes = torch.where(candidates.parents >= 0, node_of.gather(1, candidates.parents.clamp(min=0)), 0)
-        self._fed_nodes = node_of.gather(1, fed_columns)  # [batch, fed] tree node per fed column, -1 if dropped
+        # [batch, fed] tree node per fed column, -1 if dropped or of no node
+        self._fed_nodes = torch.where(fed_columns >= 0, node_of.gather(1, fed_columns.clamp(min=0)), -1)
         probs = None
         if self.do_sample:
             index = place(candidates.q_index, 0)  # [batch, width]
