@@ -81,8 +81,9 @@ class DynSpecConfig:
         default=8,
         metadata={"help": "Draft model: prompt-lookup guesses of the draft's next tokens fed along with each draft "
                   "forward, shared among the rows still drafting. Where the draft's own tokens match the guess, one "
-                  "forward yields several draft tokens; the draft tokens are the same as without (lossless), only "
-                  "draft forwards are saved. 0 disables; off with an early stop."},
+                  "forward yields several draft tokens; a chain's tokens are the same as without (lossless), only "
+                  "draft forwards are saved. Draft trees grow along the guess without forwards of their own. "
+                  "0 disables."},
     )
     draft_lookahead_max_cost: float | None = field(
         default=1.25,
