@@ -112,25 +112,7 @@ class DraftTreeProposer(DraftModelProposer):
         lookahead = self.lookahead = self.lookahead_tokens()  # measured on the first call of a process
         self.setup_seconds = self.placement.clock() - begun
         reach = lengths.clone()  # [batch] depth each row may still grow to (cut where `early_stop` ends it)
-        root = torch.full_like(lengths, -1)  # the root's children have parent -1
-        guess = self._tree_guesses(batch, None, root, lengths > 0, reach, lookahead)  # [batch, g] tokens and mask
-        offsets = torch.arange(1, guess[0].shape[1] + 1, device=positions.device)
-        logits = self._forward(
-            torch.cat([ids, guess[0]], 1), torch.cat([mask, guess[1]], 1),
-            torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guess[0].shape[1],
-        )  # [batch, 1 + g, vocab]: the root, then each guess
-        context_length = self.ragged.length - guess[0].shape[1]  # the row's context before the tree
-        rows = torch.arange(batch.batch_size, device=lengths.device)
-        root_scores = process_path_logits(
-            self.logits_processor, batch, rows, ids.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths),
-            logits[:, 0],
-        )  # [batch, vocab]
-        candidates = self._root_children(root_scores, lengths > 0)
-        growth = _Growth(
-            candidates, torch.zeros_like(candidates.tokens, dtype=torch.bool), [],
-            [root_scores.softmax(dim=-1).unsqueeze(1)] if self.do_sample else [], 1,
-        )
-        self._adopt_guesses(batch, growth, root, guess, logits[:, 1:], reach)
+        growth, context_length = self._grow_root(batch, (ids, mask, positions), reach, lookahead)
         for depth in range(1, int(lengths.max())):
             if early_stop is not None and not self.do_sample:
                 reach = self._stop_growing(early_stop, growth.candidates, depth, reach)
@@ -151,6 +133,36 @@ class DraftTreeProposer(DraftModelProposer):
         fed_columns = torch.cat(growth.fed, dim=1)
         q_all = torch.cat(growth.q_store, dim=1) if growth.q_store else None
         return self._select(candidates, budgets, fed_columns, q_all, batch)
+
+    def _grow_root(
+        self,
+        batch: TokenBatch,
+        tail: tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor],  # ids, mask, positions, [batch, width] each
+        reach: torch.LongTensor,  # [batch] depth caps
+        lookahead: int,
+    ) -> tuple[_Growth, int]:
+        """The first draft forward: over each row's unseen tail and a guess below the root. Returns the tree with the
+        root's children (and whatever the guess grew below them) and the draft cache's length before the tree."""
+        ids, mask, positions = tail
+        root = torch.full_like(reach, -1)  # the root's children have parent -1
+        guess = self._tree_guesses(batch, None, root, reach > 0, reach, lookahead)  # [batch, g] tokens and mask
+        offsets = torch.arange(1, guess[0].shape[1] + 1, device=positions.device)
+        logits = self._forward(
+            torch.cat([ids, guess[0]], 1), torch.cat([mask, guess[1]], 1),
+            torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guess[0].shape[1],
+        )  # [batch, 1 + g, vocab]: the root, then each guess
+        rows = torch.arange(batch.batch_size, device=reach.device)
+        root_scores = process_path_logits(
+            self.logits_processor, batch, rows, ids.new_zeros((batch.batch_size, 0)), torch.zeros_like(reach),
+            logits[:, 0],
+        )  # [batch, vocab]
+        candidates = self._root_children(root_scores, reach > 0)
+        growth = _Growth(
+            candidates, torch.zeros_like(candidates.tokens, dtype=torch.bool), [],
+            [root_scores.softmax(dim=-1).unsqueeze(1)] if self.do_sample else [], 1,
+        )
+        self._adopt_guesses(batch, growth, root, guess, logits[:, 1:], reach)
+        return growth, self.ragged.length - guess[0].shape[1]
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         raise NotImplementedError(
