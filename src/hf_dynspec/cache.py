@@ -15,8 +15,22 @@ invisible to attention. Two cheap operations keep memory bounded:
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+def cache_kwarg(forward: Callable) -> str:
+    """The keyword a model's `forward` takes its KV cache by: `cache` from transformers 5.24 on, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def generation_cache(model_kwargs: dict) -> Cache | None:
+    """The KV cache `generate` prepared for a custom loop (`cache` from transformers 5.24 on, before `past_key_values`)."""
+    cache = model_kwargs.get("cache")
+    return model_kwargs.get("past_key_values") if cache is None else cache
 
 
 def check_cache_supported(cache: Cache | None, who: str) -> None:

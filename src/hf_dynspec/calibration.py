@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from .cache import cache_kwarg
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
 from .kernels import NARROW_LINEAR, narrow_linear, narrow_rows
 from .placement import input_device
@@ -116,14 +117,8 @@ class _CachedForward:
             self._call(ids, mask, positions, keep)
 
     def _call(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, keep: int) -> None:
-        self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        cache = {cache_kwarg(self.model.forward): self.cache}
+        self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=keep, **cache)
 
 
 LOOKAHEAD_WIDTHS = (2, 3, 5, 9, 17, 33)

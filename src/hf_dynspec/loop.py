@@ -13,7 +13,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import RaggedCache, check_cache_supported
+from .cache import RaggedCache, check_cache_supported, generation_cache
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
@@ -186,7 +186,7 @@ class _Run:
         positions = model_kwargs.get("position_ids")
         if positions is None:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = model_kwargs.get("past_key_values")
+        cache = generation_cache(model_kwargs)
         check_cache_supported(cache, "target model")
         self.target_cache = RaggedCache(
             cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .cache import RaggedCache
+from .cache import RaggedCache, cache_kwarg
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask
 from .kernels import narrow_linear, narrow_rows
@@ -25,6 +25,11 @@ from .kernels import narrow_linear, narrow_rows
 @functools.cache
 def _accepts_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    return cache_kwarg(model_class.forward)
 
 
 def logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, int]:
@@ -158,13 +163,14 @@ class Placement:
             input_ids=ids.to(device, non_blocking=True),
             attention_mask=attention_mask.to(device, non_blocking=True),
             position_ids=positions.to(device, non_blocking=True),
-            past_key_values=cache.cache,
             use_cache=True,
         )
         with narrow_linear(self.narrow_rows.get(id(model), 0)):
             if head is not None:
+                inputs[_cache_kwarg(type(head.decoder))] = cache.cache
                 hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
                 return self.logits_to_loop(head.logits(hidden))
+            inputs[_cache_kwarg(type(model))] = cache.cache
             output = model(**inputs, **logits_kwargs(model, keep))
         return self.logits_to_loop(output.logits[:, -keep:])
 
