@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from hf_dynspec.cache import cache_kwarg
 from hf_dynspec.evaluation.models import LoadOptions, load_model, resolve_model, split_variant
 
 
@@ -29,10 +30,10 @@ def forward_seconds(model: torch.nn.Module, tokens: int, context: int, repeats: 
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first is a warm-up
             cache = DynamicCache()
-            model(input_ids=torch.randint(100, 20000, (1, context), generator=generator), past_key_values=cache)
+            model(input_ids=torch.randint(100, 20000, (1, context), generator=generator), **{cache_kwarg(model.forward): cache})
             new = torch.randint(100, 20000, (1, tokens), generator=generator)
             start = time.perf_counter()
-            model(input_ids=new, past_key_values=cache)
+            model(input_ids=new, **{cache_kwarg(model.forward): cache})
             samples.append(time.perf_counter() - start)
     return statistics.median(samples[1:])
 

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from hf_dynspec.cache import cache_kwarg
 from hf_dynspec.evaluation.equivalence import MANTISSA_BITS, as_dtype
 
 MAX_K = 8
@@ -44,7 +45,7 @@ def _forward(model, ids: list[int], cache: DynamicCache, start: int) -> torch.Te
     """`[len(ids), vocab]` float32 logits of `ids` at positions `start..`, appending to `cache`."""
     input_ids = torch.tensor([ids])
     positions = torch.arange(start, start + len(ids)).unsqueeze(0)
-    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(input_ids=input_ids, position_ids=positions, use_cache=True, **{cache_kwarg(model.forward): cache})
     return out.logits[0].float()
 
 

@@ -7,6 +7,7 @@ import torch
 from conftest import left_padded_prompts, tiny_model
 from transformers.cache_utils import DynamicCache
 
+from hf_dynspec.cache import cache_kwarg
 from hf_dynspec.candidates import TokenTree, prompt_lookup_tree
 from hf_dynspec.candidates.trie import lookup_occurrences
 
@@ -102,12 +103,12 @@ def ragged_prefix(model, prompt_lengths: list[int]) -> tuple[DynamicCache, torch
     """
     ids, mask = left_padded_prompts(prompt_lengths, seed=3)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache)
+    model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(model.forward): cache})
     chunk = torch.tensor([[40, 41, 42], [50, 51, 52]])
     chunk_valid = torch.tensor([[1, 0, 1], [1, 1, 1]])  # 41 was rejected in row 0: a hole
     positions = mask.sum(1, keepdim=True) + (chunk_valid.cumsum(1) - 1)
     valid = torch.cat([mask, chunk_valid], dim=1)
-    model(input_ids=chunk, attention_mask=valid, position_ids=positions, past_key_values=cache)
+    model(input_ids=chunk, attention_mask=valid, position_ids=positions, **{cache_kwarg(model.forward): cache})
     sequences = [[int(t) for t, v in zip(ids_row, valid_row) if v] for ids_row, valid_row in
                  zip(torch.cat([ids, chunk], 1), valid)]
     return cache, valid, sequences
@@ -127,7 +128,7 @@ def test_tree_logits_equal_branch_logits(family, attention):
             input_ids=tree.tokens,
             attention_mask=tree.attention_mask(cache_valid, model.dtype),
             position_ids=tree.position_ids(prefix_lengths),
-            past_key_values=cache,
+            **{cache_kwarg(model.forward): cache},
         ).logits  # [batch, nodes, vocab]
         paths = tree.paths()
         for row in range(tree.batch_size):
