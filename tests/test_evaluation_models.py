@@ -132,3 +132,15 @@ def test_registry_entries_are_complete():
         assert spec.name == name and len(spec.gguf.sha256) == 64 and spec.gguf.size > 0
         assert spec.gguf.package_names()[-1].endswith(str(spec.gguf.num_parts))
     assert models.DEFAULT_TARGET in models.describe_registry()
+
+
+def test_gguf_models_are_asked_to_dequantize_on_load():
+    import transformers
+
+    assert ModelLocation("dir").model_kwargs() == {}
+    kwargs = ModelLocation("dir", "m.gguf").model_kwargs()
+    assert kwargs["gguf_file"] == "m.gguf"
+    if hasattr(transformers, "GgufConfig"):  # transformers >= 5.24 may otherwise keep GGUF weights packed
+        assert kwargs["quantization_config"].dequantize is True
+    else:
+        assert set(kwargs) == {"gguf_file"}

@@ -121,6 +121,21 @@ class ModelLocation:
         """`gguf_file=...` when the model is a GGUF file, else nothing."""
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
+    def model_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained_kwargs` for a model: a GGUF file is also asked to be dequantized on load.
+
+        From transformers 5.24 on, a `GgufConfig(dequantize=True)` says so; otherwise some architectures keep their
+        weights packed and unpack them in every forward, which is not the dense model these benchmarks measure.
+        """
+        kwargs: dict[str, Any] = dict(self.from_pretrained_kwargs())
+        if self.gguf_file:
+            try:
+                from transformers import GgufConfig
+            except ImportError:  # transformers < 5.24 always dequantizes a GGUF file on load
+                return kwargs
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        return kwargs
+
 
 def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/hf_dynspec` (default `~/.cache/hf_dynspec`): where assembled GGUF files are kept."""
@@ -507,7 +522,7 @@ def dequantized_checkpoint(location: ModelLocation, dtype: torch.dtype, cache_di
 
         partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
         partial.mkdir(parents=True, exist_ok=True)
-        model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, **location.from_pretrained_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, **location.model_kwargs())
         # transformers marks GGUF-loaded models as quantized and refuses `save_pretrained`; the weights are plain
         # tensors of `dtype` by now, so write them directly (`save_model` keeps one copy of tied weights)
         config = model.config
@@ -548,7 +563,7 @@ def load_model(
     if options.max_memory is not None:
         placed = dataclasses.replace(options, max_memory=weight_share_limits(options.max_memory, source, resolved))
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, **placed.from_pretrained_kwargs(resolved), **source.from_pretrained_kwargs()
+        source.path, **placed.from_pretrained_kwargs(resolved), **source.model_kwargs()
     )
     if location.eos_token_ids:
         model.generation_config.eos_token_id = list(location.eos_token_ids)
