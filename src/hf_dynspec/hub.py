@@ -316,7 +316,8 @@ README_OUTPUT = """## Output Type changes
 - Without `return_dict_in_generate=True` the output is the usual `torch.LongTensor` of sequences.
 - With `return_dict_in_generate=True` the output is a `DynSpecOutput`, a `GenerateDecoderOnlyOutput` with one extra
   field, `dynspec_stats`: totals and per-step records (draft lengths, accepted tokens, timings) of the call.
-  `past_key_values` is `None`: the loop's caches are not meant to be reused."""
+  Its KV cache field (`cache`; `past_key_values` before transformers 5.24) is `None`: the loop's caches are not
+  meant to be reused."""
 
 README_TRUST = """## Why `trust_remote_code=True` is required
 

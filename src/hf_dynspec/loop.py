@@ -36,7 +36,8 @@ from .verification import TreeVerification, verify_tree_greedy, verify_tree_samp
 class DynSpecOutput(GenerateDecoderOnlyOutput):
     """`generate` output with the loop's statistics (`return_dict_in_generate=True`).
 
-    `past_key_values` is `None`: the loop's caches hold masked entries and are not meant for reuse.
+    Its KV cache field (`cache`; `past_key_values` before transformers 5.24) is `None`: the loop's caches hold masked
+    entries and are not meant for reuse.
     """
 
     dynspec_stats: DynSpecStats | None = None
