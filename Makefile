@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: install demo test lint docs
+.PHONY: install demo test test-oldest lint docs
 
 install:
 	bash scripts/install.sh
@@ -16,6 +16,11 @@ demo: install
 test: install
 	$(PYTHON) -m ruff check src tests
 	$(PYTHON) -m pytest tests
+
+# The loop against the oldest transformers pyproject.toml allows (the rest of the environment as installed).
+TRANSFORMERS_OLDEST ?= 5.20.0
+test-oldest: install
+	bash scripts/test_oldest.sh $(TRANSFORMERS_OLDEST)
 
 lint:
 	$(PYTHON) -m ruff check src tests

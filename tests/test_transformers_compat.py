@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +38,10 @@ def test_generation_cache_prefers_the_new_key():
     assert generation_cache({"cache": new, "past_key_values": old}) is new
     assert generation_cache({"past_key_values": old}) is old
     assert generation_cache({}) is None
+
+
+def test_the_oldest_transformers_tested_is_the_floor_pyproject_declares():
+    root = Path(__file__).resolve().parents[1]
+    floor = re.search(r'"transformers>=([\d.]+),<\d+"', (root / "pyproject.toml").read_text()).group(1)
+    oldest = re.search(r"^TRANSFORMERS_OLDEST \?= ([\d.]+)$", (root / "Makefile").read_text(), re.M).group(1)
+    assert oldest.split(".")[:2] == floor.split(".")[:2], (floor, oldest)

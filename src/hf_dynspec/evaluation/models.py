@@ -128,7 +128,7 @@ class ModelLocation:
         weights packed and unpack them in every forward, which is not the dense model these benchmarks measure.
         """
         kwargs: dict[str, Any] = dict(self.from_pretrained_kwargs())
-        if self.gguf_file:
+        if "gguf_file" in kwargs:
             try:
                 from transformers import GgufConfig
             except ImportError:  # transformers < 5.24 always dequantizes a GGUF file on load
