@@ -9,6 +9,7 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, MistralC
 
 import hf_dynspec
 from hf_dynspec import DraftLengthPolicy, DynSpecConfig
+from hf_dynspec.cache import cache_kwarg
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_static_cache(target, inputs):
         run(target, inputs, assistant_model=target, cache_implementation="static")
     cache = StaticCache(config=target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="StaticCache"):
-        run(target, inputs, assistant_model=target, past_key_values=cache)
+        run(target, inputs, assistant_model=target, **{cache_kwarg(target.forward): cache})  # as generate takes it
 
 
 def test_use_cache_false(target, inputs):
