@@ -100,6 +100,7 @@ class _CachedForward:
         self.vocab = int(model.config.vocab_size)
         self.batch_size, self.context_length, self.generator = batch_size, context_length, generator
         self.cache = DynamicCache(config=model.config)
+        self.cache_key = cache_kwarg(model.forward)
         with torch.inference_mode():
             self._forward(self.context_length, offset=0, keep=1)
 
@@ -117,7 +118,7 @@ class _CachedForward:
             self._call(ids, mask, positions, keep)
 
     def _call(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, keep: int) -> None:
-        cache = {cache_kwarg(self.model.forward): self.cache}
+        cache = {self.cache_key: self.cache}
         self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=keep, **cache)
 
 

@@ -122,17 +122,13 @@ class ModelLocation:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
     def model_kwargs(self) -> dict[str, Any]:
-        """`from_pretrained_kwargs` for a model: a GGUF file is also asked to be dequantized on load.
+        """`from_pretrained_kwargs` for a model: a GGUF file is also asked to be dequantized on load
+        (`GgufConfig(dequantize=True)`). Without it transformers may keep some architectures' weights packed and unpack
+        them in every forward, which is not the dense model these benchmarks measure."""
+        from transformers import GgufConfig
 
-        From transformers 5.24 on, a `GgufConfig(dequantize=True)` says so; otherwise some architectures keep their
-        weights packed and unpack them in every forward, which is not the dense model these benchmarks measure.
-        """
         kwargs: dict[str, Any] = dict(self.from_pretrained_kwargs())
         if "gguf_file" in kwargs:
-            try:
-                from transformers import GgufConfig
-            except ImportError:  # transformers < 5.24 always dequantizes a GGUF file on load
-                return kwargs
             kwargs["quantization_config"] = GgufConfig(dequantize=True)
         return kwargs
 
