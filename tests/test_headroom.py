@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.evaluation.headroom import greedy_disagreements
+from hf_dynspec.candidates.prompt_lookup import lookup_continuation
+from hf_dynspec.evaluation.headroom import (
+    Disagreements,
+    GreedyTrace,
+    OracleCosts,
+    fastest_schedule,
+    greedy_disagreements,
+    greedy_traces,
+)
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8, 41, 17, 60, 2], [11, 4]]
 
@@ -64,3 +74,85 @@ def test_bad_input_is_refused(prompts, new, message):
     target = tiny_model("llama", seed=0)
     with pytest.raises(ValueError, match=message):
         greedy_disagreements(target, target, prompts, max_new_tokens=new, progress=False)
+
+
+# ---- oracle schedules ----------------------------------------------------------------------------------------------
+def flat_costs(draft_forward: float = 0.1, lookahead: int = 0, max_draft: int = 32, max_lookup: int = 32) -> OracleCosts:
+    return OracleCosts(lambda width: 1.0 + 0.05 * (width - 1), draft_forward, lookahead, max_draft, max_lookup)
+
+
+def exhaustive(trace: GreedyTrace, costs: OracleCosts, lookup: bool, n: int = 1) -> float:
+    """Every schedule from position `n`, tried one by one (tiny traces only)."""
+    size = len(trace.new)
+    if n >= size:
+        return 0.0
+    room, tokens = size - n - 1, trace.prompt + trace.new
+    options = [costs.verify(1) + exhaustive(trace, costs, lookup, n + 1)]
+    for k in range(1, room + 1):
+        if not all(trace.agrees[n : n + k]) or k > costs.max_draft:
+            break
+        forwards, position = 0, n
+        while position < n + k:  # each forward yields its token and the lookahead guesses that hold
+            forwards += 1
+            guess = lookup_continuation(torch.tensor(tokens[: len(trace.prompt) + position]), 3, 1, costs.lookahead)
+            held = 0
+            for offset, token in enumerate(guess.tolist()):
+                if len(trace.prompt) + position + offset >= len(tokens) or token != tokens[len(trace.prompt) + position + offset]:
+                    break
+                held += 1
+            position += 1 + held
+        options.append(forwards * costs.draft_forward + costs.verify(k + 1) + exhaustive(trace, costs, lookup, n + k + 1))
+    if lookup:
+        guess = lookup_continuation(torch.tensor(tokens[: len(trace.prompt) + n]), 3, 1, costs.max_lookup).tolist()
+        for j in range(1, min(len(guess), room) + 1):
+            if guess[:j] != trace.new[n : n + j]:
+                break
+            options.append(costs.verify(j + 1) + exhaustive(trace, costs, lookup, n + j + 1))
+    return min(options)
+
+
+def random_trace(seed: int, size: int) -> GreedyTrace:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(6) for _ in range(rng.randrange(2, 9))]
+    new = [rng.randrange(6) for _ in range(size)]
+    agrees = [rng.random() < 0.7 for _ in range(size)]
+    return GreedyTrace(prompt, new, agrees, [False] * size)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("lookup", [False, True])
+def test_oracle_schedule_is_the_fastest_of_every_schedule(seed, lookup):
+    trace = random_trace(seed, size=9)
+    costs = flat_costs(draft_forward=0.15, lookahead=seed % 3, max_draft=5, max_lookup=4)
+    assert fastest_schedule(trace, costs, lookup).seconds == pytest.approx(exhaustive(trace, costs, lookup))
+
+
+def test_oracle_drafts_through_agreement_and_copies_with_lookup():
+    prompt = [7, 1, 2, 3, 4, 5, 6, 8, 9]
+    agreeing = GreedyTrace(prompt, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [True] * 10, [False] * 10)
+    schedule = fastest_schedule(agreeing, flat_costs(), lookup=True)
+    assert (schedule.verifies, schedule.draft_forwards, schedule.lookup_steps) == (1, 8, 0)  # nothing to look up
+    assert schedule.seconds == pytest.approx(8 * 0.1 + 1.0 + 0.05 * 8)
+    copying = GreedyTrace(prompt, [7, 1, 2, 3, 4, 5, 6, 8, 9], [False] * 9, [False] * 9)  # the prompt again
+    alone = fastest_schedule(copying, flat_costs(), lookup=False)
+    assert (alone.verifies, alone.draft_forwards) == (8, 0)  # a draft that never agrees: plain decoding
+    looked_up = fastest_schedule(copying, flat_costs(), lookup=True)
+    assert (looked_up.verifies, looked_up.draft_forwards, looked_up.lookup_steps) == (1, 0, 1)
+
+
+def test_lookahead_saves_draft_forwards_where_lookup_guesses_right():
+    prompt = [7, 1, 2, 3, 4, 5, 6, 8, 9]
+    copying = GreedyTrace(prompt, [7, 1, 2, 3, 4, 5, 6, 8, 9], [True] * 9, [False] * 9)
+    without = fastest_schedule(copying, flat_costs(lookahead=0), lookup=False)
+    with_lookahead = fastest_schedule(copying, flat_costs(lookahead=3), lookup=False)
+    assert (without.verifies, without.draft_forwards) == (1, 7)
+    assert (with_lookahead.verifies, with_lookahead.draft_forwards) == (1, 2)  # 4 tokens a forward, 7 to draft
+
+
+def test_free_drafts_verify_exactly_at_the_disagreements():
+    target = tiny_model("llama", seed=0)
+    target.generation_config.eos_token_id = None
+    traces = greedy_traces(target, perturbed(target, 0.1), PROMPTS, max_new_tokens=16, progress=False)
+    free = OracleCosts(lambda width: 1.0, 0.0, 0, 32, 32)
+    for trace in traces:
+        assert fastest_schedule(trace, free, lookup=False).verifies == Disagreements.of(trace).fewest_verifies

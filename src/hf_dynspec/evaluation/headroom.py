@@ -10,12 +10,29 @@ tree that branches in two there could still carry on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
+
+from ..candidates.prompt_lookup import lookup_continuation
+from ..estimators import PaddedCostModel
+
+
+@dataclass
+class GreedyTrace:
+    """One prompt's target greedy output and, at each of its positions, whether the draft's greedy choice agrees."""
+
+    prompt: list[int]  # the prompt's token ids
+    new: list[int]  # the target's plain greedy tokens after it
+    agrees: list[bool]  # per new token: the draft's greedy choice after the tokens before it is that token
+    second: list[bool]  # per new token: the draft's second choice is that token
+
+    def to_dict(self) -> dict:
+        return {"prompt": self.prompt, "new": self.new, "agrees": self.agrees, "second": self.second}
 
 
 @dataclass
@@ -32,8 +49,50 @@ class Disagreements:
         prefill's token is the only one)."""
         return self.disagreements + int(self.new_tokens > 1)
 
+    @classmethod
+    def of(cls, trace: GreedyTrace) -> Disagreements:
+        """Count at the positions a chain drafts: not the first new token (the prefill's), nor the last (the final
+        verify emits it, drafted or not)."""
+        inner = range(1, len(trace.new) - 1)
+        wrong = [not trace.agrees[j] for j in inner]
+        second = [trace.second[j] for j, w in zip(inner, wrong) if w]
+        return cls(len(trace.new), sum(wrong), sum(second))
+
+
+def _check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be an integer >= 1 (tokens to decode per prompt), got {max_new_tokens!r}.")
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("Every prompt needs at least one token: the draft's guess of the first new token comes after it.")
+
 
 @torch.no_grad()
+def greedy_traces(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    progress: bool = True,
+) -> list[GreedyTrace]:
+    """For each prompt, decode `max_new_tokens` greedily with `target` alone (stopping at its EOS), then run `draft`
+    once over the whole sequence and record, at every new position, whether its first (and second) greedy choice is
+    the target's token.
+
+    Args:
+        prompts: token ids of each prompt (one row at a time: no padding).
+    """
+    _check_request(prompts, max_new_tokens)
+    traces = []
+    for prompt in tqdm(prompts, desc="greedy traces", disable=not progress):
+        ids = torch.tensor([list(prompt)], device=target.device)  # [1, prompt]
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        new = out[0, ids.shape[1] :].to(draft.device)  # [new]
+        logits = draft(out.to(draft.device)).logits[0, ids.shape[1] - 1 : -1]  # [new, vocab] draft's guess of each
+        top = logits.topk(min(2, logits.shape[-1]), dim=-1).indices  # [new, 2]
+        traces.append(GreedyTrace(list(prompt), new.tolist(), (top[:, 0] == new).tolist(), (top[:, -1] == new).tolist()))
+    return traces
+
+
 def greedy_disagreements(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -41,27 +100,117 @@ def greedy_disagreements(
     max_new_tokens: int,
     progress: bool = True,
 ) -> list[Disagreements]:
-    """For each prompt, decode `max_new_tokens` greedily with `target` alone (stopping at its EOS), then run `draft`
-    once over the whole sequence and count where its greedy choice differs from the target's tokens (at the positions a
-    chain drafts: not the first new token, nor the last).
+    """`Disagreements` of each prompt's `greedy_traces`: where the draft's greedy choice differs from the target's
+    tokens at the positions a chain drafts (not the first new token, nor the last).
 
     Args:
         prompts: token ids of each prompt (one row at a time: no padding).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"`max_new_tokens` must be an integer >= 1 (tokens to decode per prompt), got {max_new_tokens!r}.")
-    if any(len(prompt) == 0 for prompt in prompts):
-        raise ValueError("Every prompt needs at least one token: the draft's guess of the first new token comes after it.")
-    counts = []
-    for prompt in tqdm(prompts, desc="disagreements", disable=not progress):
-        ids = torch.tensor([list(prompt)], device=target.device)  # [1, prompt]
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-        new = out[0, ids.shape[1] :].to(draft.device)  # [new]
-        logits = draft(out.to(draft.device)).logits[0, ids.shape[1] - 1 : -1]  # [new, vocab] draft's guess of each
-        top = logits.topk(min(2, logits.shape[-1]), dim=-1).indices  # [new, 2]
-        wrong = top[:, 0] != new  # [new]
-        wrong[0] = False  # the prefill emits the first new token
-        wrong[-1] = False  # and the final verify the last, drafted or not
-        second = (top[:, -1] == new) & wrong
-        counts.append(Disagreements(int(new.shape[0]), int(wrong.sum()), int(second.sum())))
-    return counts
+    return [Disagreements.of(trace) for trace in greedy_traces(target, draft, prompts, max_new_tokens, progress)]
+
+
+
+# ---- oracle schedules: the fastest a method could decode a greedy trace, knowing it in advance -----------------------
+@dataclass(frozen=True)
+class OracleCosts:
+    """Prices of batch-1 steps for `fastest_schedule`, and what a step may propose."""
+
+    verify: Callable[[int], float]  # seconds of a target forward over `width` new tokens
+    draft_forward: float  # seconds of one draft forward
+    lookahead: int  # guess tokens a draft forward carries (`DynSpecConfig.draft_lookahead`; 0: none)
+    max_draft: int  # most draft-model tokens in one step
+    max_lookup: int  # most prompt-lookup tokens in one step
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    @classmethod
+    def from_cost_model(
+        cls, model: PaddedCostModel, lookahead: int, max_draft: int, max_lookup: int, draft_scale: float = 1.0
+    ) -> OracleCosts:
+        """Batch-1 prices from a fitted cost model (e.g. `ProfileCostModel`), the draft forward scaled by `draft_scale`."""
+        if model.verify is None or model.draft is None:
+            raise ValueError("The cost model needs both target and draft timings (a profile from `hf-dynspec calibrate`).")
+        verify = model.verify
+        return cls(
+            lambda width: float(verify(np.array([width]))[0]),
+            float(model.draft(np.array([1]))[0]) * draft_scale, lookahead, max_draft, max_lookup,
+        )
+
+
+@dataclass
+class OracleSchedule:
+    """The fastest schedule of one trace: its seconds (prefill excluded) and what it runs."""
+
+    seconds: float
+    verifies: int  # target forwards after the prefill, plain steps included
+    draft_forwards: int
+    lookup_steps: int  # steps that proposed prompt lookup alone
+
+
+def _agreement_runs(agrees: list[bool]) -> list[int]:
+    """`runs[n]`: how many positions from `n` on the draft's greedy choice agrees with the target's, in a row."""
+    runs = [0] * (len(agrees) + 1)
+    for n in range(len(agrees) - 1, -1, -1):
+        runs[n] = runs[n + 1] + 1 if agrees[n] else 0
+    return runs
+
+
+def _lookup_matches(trace: GreedyTrace, costs: OracleCosts) -> list[int]:
+    """`matches[n]`: how many tokens of the prompt-lookup continuation after the first `n` new tokens are the target's."""
+    tokens = torch.tensor(trace.prompt + trace.new)  # [prompt + new]
+    width, start = max(costs.max_lookup, costs.lookahead), len(trace.prompt)
+    matches = []
+    for n in range(len(trace.new)):
+        guess = lookup_continuation(tokens[: start + n], costs.max_ngram, costs.min_ngram, width)  # [found]
+        truth = tokens[start + n : start + n + guess.shape[0]]
+        same = (guess[: truth.shape[0]] == truth).long().cumprod(0)
+        matches.append(int(same.sum()))
+    return matches + [0]
+
+
+def _draft_forwards(n: int, longest: int, matches: list[int], lookahead: int) -> list[int]:
+    """`forwards[k]` (k = 0..longest): draft forwards that draft the `k` tokens from position `n` on, where the draft
+    agrees with the target: each forward yields its own token and as many of its lookahead guesses as hold."""
+    starts, position = [], n
+    while position < n + longest:
+        starts.append(position)
+        position += 1 + min(matches[position], lookahead)
+    return [sum(start < n + k for start in starts) for k in range(longest + 1)]
+
+
+def fastest_schedule(trace: GreedyTrace, costs: OracleCosts, lookup: bool) -> OracleSchedule:
+    """The fastest way, with hindsight, to decode `trace` in greedy steps (the prefill's token is free).
+
+    At each position a step either decodes plainly, or drafts `k` tokens with the draft model where the draft agrees
+    (its draft lookahead saving forwards where prompt lookup guesses right), or, with `lookup`, proposes `j` tokens of
+    the prompt-lookup continuation where they are the target's (no draft forward); it emits them and the target's
+    bonus token. Hindsight cuts every proposal at its last right token, and catch-ups of the draft are not priced, so
+    this bounds what any method of that kind achieves at these prices.
+    """
+    size = len(trace.new)
+    runs, matches = _agreement_runs(trace.agrees), _lookup_matches(trace, costs)
+    best = [0.0] * (size + 1)  # seconds from position n (n tokens emitted) to the end
+    plan: list[tuple[str, int, int]] = [("end", 0, 0)] * (size + 1)  # (kind, tokens proposed, draft forwards)
+    for n in range(size - 1, 0, -1):
+        room = size - n - 1  # most tokens a step may propose: its bonus token emits the last
+        options = [(costs.verify(1) + best[n + 1], ("plain", 0, 0))]
+        longest = min(runs[n], costs.max_draft, room)
+        for k, forwards in enumerate(_draft_forwards(n, longest, matches, costs.lookahead)[1:], start=1):
+            seconds = forwards * costs.draft_forward + costs.verify(k + 1) + best[n + k + 1]
+            options.append((seconds, ("draft", k, forwards)))
+        for j in range(1, min(matches[n], costs.max_lookup, room) + 1) if lookup else ():
+            options.append((costs.verify(j + 1) + best[n + j + 1], ("lookup", j, 0)))
+        best[n], plan[n] = min(options, key=lambda option: option[0])
+    return _replay(best, plan, size)
+
+
+def _replay(best: list[float], plan: list[tuple[str, int, int]], size: int) -> OracleSchedule:
+    """Count what the chosen steps run, from the prefill's token to the end."""
+    schedule, n = OracleSchedule(best[1] if size > 1 else 0.0, 0, 0, 0), 1
+    while n < size:
+        kind, proposed, forwards = plan[n]
+        schedule.verifies += 1
+        schedule.draft_forwards += forwards
+        schedule.lookup_steps += kind == "lookup"
+        n += proposed + 1
+    return schedule

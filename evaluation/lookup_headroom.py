@@ -1,0 +1,79 @@
+"""How much can prompt lookup add to a draft model, at best? Oracle schedules along the target's greedy output.
+
+Decodes each prompt greedily with the target alone, runs the draft once over the result, and finds, by dynamic
+programming over the positions, the fastest schedule of verifies a method could choose with hindsight: drafting with
+the draft model (with draft lookahead) only, and also proposing prompt lookup alone (no draft forward). Steps are
+priced with a calibration profile (`hf-dynspec calibrate`). The ratio of the two bounds what a hybrid proposer can add.
+
+    python evaluation/lookup_headroom.py --dataset codeedit --num-prompts 16 --max-new-tokens 256 \
+        --traces /tmp/codeedit_traces.json --out docs/benchmarks/lookup_headroom_codeedit.json
+
+Traces are cached in `--traces` (computed when the file does not exist yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hf_dynspec.estimators import Profile, ProfileCostModel
+from hf_dynspec.evaluation.headroom import GreedyTrace, OracleCosts, fastest_schedule, greedy_traces
+
+
+def load_traces(args: argparse.Namespace) -> list[GreedyTrace]:
+    path = Path(args.traces)
+    if path.exists():
+        return [GreedyTrace(**t) for t in json.loads(path.read_text())["traces"]]
+    from hf_dynspec.evaluation.bench import BenchSettings, load_inputs
+
+    settings = BenchSettings(dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+    target, draft, prompts = load_inputs(settings)
+    traces = greedy_traces(target, draft, prompts, args.max_new_tokens)
+    meta = {"dataset": args.dataset, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+            "dtype": str(target.dtype)}
+    path.write_text(json.dumps({"config": meta, "traces": [t.to_dict() for t in traces]}))
+    return traces
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="codeedit")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--traces", required=True, help="JSON cache of the greedy traces.")
+    parser.add_argument("--traces-only", action="store_true", help="Compute the traces and stop.")
+    parser.add_argument("--profile", default="docs/benchmarks/profile_bf16.json")
+    parser.add_argument("--draft-scale", type=float, default=1.0, help="Multiply the profile's draft forward cost.")
+    parser.add_argument("--lookahead", type=int, default=8, help="Guess tokens a draft forward carries.")
+    parser.add_argument("--max-draft", type=int, default=24, help="Most draft tokens in one step.")
+    parser.add_argument("--max-lookup", type=int, default=24, help="Most prompt-lookup tokens in one step.")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    traces = load_traces(args)
+    if args.traces_only:
+        return
+    model = ProfileCostModel(Profile.load(args.profile))
+    costs = OracleCosts.from_cost_model(model, args.lookahead, args.max_draft, args.max_lookup, args.draft_scale)
+    rows = {}
+    for name, lookup in (("draft", False), ("draft+lookup", True)):
+        schedules = [fastest_schedule(t, costs, lookup=lookup) for t in traces]
+        rows[name] = {
+            "seconds": sum(s.seconds for s in schedules),
+            "verifies": sum(s.verifies for s in schedules),
+            "draft_forwards": sum(s.draft_forwards for s in schedules),
+            "lookup_steps": sum(s.lookup_steps for s in schedules),
+            "new_tokens": sum(len(t.new) for t in traces),
+        }
+    plain = sum(costs.verify(1) * (len(t.new) - 1) for t in traces)
+    rows["plain"] = {"seconds": plain}
+    for name, row in rows.items():
+        print(f"{name:>14}: {row['seconds']:8.2f} s  {plain / row['seconds']:.3f}x plain  "
+              + "  ".join(f"{k}={v}" for k, v in row.items() if k != "seconds"))
+    print(f"lookup adds at most {rows['draft']['seconds'] / rows['draft+lookup']['seconds']:.3f}x to the draft")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": vars(args), "oracle": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
