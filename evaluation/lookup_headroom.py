@@ -1,14 +1,19 @@
-"""How much can prompt lookup add to a draft model, at best? Oracle schedules along the target's greedy output.
+"""How much can prompt lookup, or a token tree, add to a draft model's chain at best? Oracle schedules along the
+target's greedy output.
 
 Decodes each prompt greedily with the target alone, runs the draft once over the result, and finds, by dynamic
-programming over the positions, the fastest schedule of verifies a method could choose with hindsight: drafting with
-the draft model (with draft lookahead) only, and also proposing prompt lookup alone (no draft forward). Steps are
-priced with a calibration profile (`hf-dynspec calibrate`). The ratio of the two bounds what a hybrid proposer can add.
+programming over the positions, the fastest schedule of verifies a method could choose with hindsight: chains of the
+draft model (with draft lookahead); the same, or prompt lookup alone (no draft forward); and trees of the draft's first
+`b` choices per node (`--branching`). Steps are priced with a calibration profile (`hf-dynspec calibrate`). The ratio
+to the chain bounds what a hybrid proposer, or a tree, can add.
 
     python evaluation/lookup_headroom.py --dataset codeedit --num-prompts 16 --max-new-tokens 256 \
         --traces /tmp/codeedit_traces.json --out docs/benchmarks/lookup_headroom_codeedit.json
+    python evaluation/lookup_headroom.py --dataset humaneval --num-prompts 16 --max-new-tokens 128 \
+        --traces /tmp/humaneval_traces.json --branching 2,3,4 --max-nodes 32
 
-Traces are cached in `--traces` (computed when the file does not exist yet).
+Traces are cached in `--traces` (computed when the file does not exist yet); `--max-new-tokens` cuts cached traces
+shorter.
 """
 
 from __future__ import annotations
@@ -17,14 +22,19 @@ import argparse
 import json
 from pathlib import Path
 
+from hf_dynspec.calibration import parse_int_list
 from hf_dynspec.estimators import Profile, ProfileCostModel
 from hf_dynspec.evaluation.headroom import GreedyTrace, OracleCosts, fastest_schedule, greedy_traces
 
 
 def load_traces(args: argparse.Namespace) -> list[GreedyTrace]:
     path = Path(args.traces)
-    if path.exists():
-        return [GreedyTrace(**t) for t in json.loads(path.read_text())["traces"]]
+    if path.exists():  # greedy decoding: the first tokens of a longer trace are the trace at fewer tokens
+        cut = args.max_new_tokens
+        return [
+            GreedyTrace(**{k: v if k == "prompt" or v is None else v[:cut] for k, v in t.items()})
+            for t in json.loads(path.read_text())["traces"]
+        ]
     from hf_dynspec.evaluation.bench import BenchSettings, load_inputs
 
     settings = BenchSettings(dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
@@ -48,6 +58,8 @@ def main() -> None:
     parser.add_argument("--lookahead", type=int, default=8, help="Guess tokens a draft forward carries.")
     parser.add_argument("--max-draft", type=int, default=24, help="Most draft tokens in one step.")
     parser.add_argument("--max-lookup", type=int, default=24, help="Most prompt-lookup tokens in one step.")
+    parser.add_argument("--branching", default="", help="Comma-separated: trees of the draft's first b choices.")
+    parser.add_argument("--max-nodes", type=int, default=32, help="Most tree nodes in one step.")
     parser.add_argument("--out")
     args = parser.parse_args()
     traces = load_traces(args)
@@ -55,9 +67,12 @@ def main() -> None:
         return
     model = ProfileCostModel(Profile.load(args.profile))
     costs = OracleCosts.from_cost_model(model, args.lookahead, args.max_draft, args.max_lookup, args.draft_scale)
+    branchings = parse_int_list(args.branching, "--branching") if args.branching else []
+    variants = [("draft", {}), ("draft+lookup", {"lookup": True})]
+    variants += [(f"tree:top{b}", {"branching": b, "max_nodes": args.max_nodes}) for b in branchings]
     rows = {}
-    for name, lookup in (("draft", False), ("draft+lookup", True)):
-        schedules = [fastest_schedule(t, costs, lookup=lookup) for t in traces]
+    for name, options in variants:
+        schedules = [fastest_schedule(t, costs, **options) for t in traces]
         rows[name] = {
             "seconds": sum(s.seconds for s in schedules),
             "verifies": sum(s.verifies for s in schedules),
@@ -70,7 +85,9 @@ def main() -> None:
     for name, row in rows.items():
         print(f"{name:>14}: {row['seconds']:8.2f} s  {plain / row['seconds']:.3f}x plain  "
               + "  ".join(f"{k}={v}" for k, v in row.items() if k != "seconds"))
-    print(f"lookup adds at most {rows['draft']['seconds'] / rows['draft+lookup']['seconds']:.3f}x to the draft")
+    for name in rows:
+        if name not in ("draft", "plain"):
+            print(f"{name} adds at most {rows['draft']['seconds'] / rows[name]['seconds']:.3f}x to the draft's chain")
     if args.out:
         Path(args.out).write_text(json.dumps({"config": vars(args), "oracle": rows}, indent=2) + "\n")
 

@@ -156,3 +156,18 @@ def test_free_drafts_verify_exactly_at_the_disagreements():
     free = OracleCosts(lambda width: 1.0, 0.0, 0, 32, 32)
     for trace in traces:
         assert fastest_schedule(trace, free, lookup=False).verifies == Disagreements.of(trace).fewest_verifies
+
+
+def test_trees_follow_the_draft_s_runner_up_at_the_price_of_its_sibling():
+    prompt = [7, 1, 2]
+    ranks = [0, 0, 0, 1, 0, 0, 0, 0, 0, 0]  # the target's fourth token is the draft's second choice
+    trace = GreedyTrace(prompt, list(range(20, 30)), [r == 0 for r in ranks], [r == 1 for r in ranks], ranks)
+    costs = flat_costs(draft_forward=0.1)
+    chain = fastest_schedule(trace, costs)
+    assert (chain.verifies, chain.draft_forwards) == (2, 7)  # 2 agreeing tokens, then 5 more after the disagreement
+    tree = fastest_schedule(trace, costs, branching=2)
+    assert (tree.verifies, tree.draft_forwards) == (1, 8)
+    assert tree.seconds == pytest.approx(8 * 0.1 + 1.0 + 0.05 * 9)  # 8 deep, 9 nodes: the path and one sibling
+    assert fastest_schedule(trace, costs, branching=2, max_nodes=8).verifies == 2  # 9 nodes are over the budget
+    with pytest.raises(ValueError, match="without draft ranks"):
+        fastest_schedule(GreedyTrace(prompt, trace.new, trace.agrees, trace.second), costs, branching=2)

@@ -6,6 +6,10 @@ first new token, which the prefill emits, and before the last, which the final v
 the draft's greedy choice differs therefore ends a verify: a call needs that many verifies and a final one, however
 long or well-timed its drafts. Where the draft's second choice is the target's token, a token
 tree that branches in two there could still carry on.
+
+`fastest_schedule` prices that: with hindsight, the fastest schedule of steps (plain, a draft chain, prompt lookup
+alone, or a tree of the draft's first choices) along a greedy trace at a cost model's prices. Against each other, the
+oracles bound what prompt lookup or trees can add to chains on a pair of models (`evaluation/lookup_headroom.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from transformers import PreTrainedModel
 from ..candidates.prompt_lookup import lookup_continuation
 from ..estimators import PaddedCostModel
 
+RANKS = 8
+"""How far down the draft's choices `greedy_traces` looks for the target's token."""
+
 
 @dataclass
 class GreedyTrace:
@@ -30,9 +37,10 @@ class GreedyTrace:
     new: list[int]  # the target's plain greedy tokens after it
     agrees: list[bool]  # per new token: the draft's greedy choice after the tokens before it is that token
     second: list[bool]  # per new token: the draft's second choice is that token
+    rank: list[int] | None = None  # per new token: its rank among the draft's choices (0: first), -1 past `RANKS`
 
     def to_dict(self) -> dict:
-        return {"prompt": self.prompt, "new": self.new, "agrees": self.agrees, "second": self.second}
+        return {"prompt": self.prompt, "new": self.new, "agrees": self.agrees, "second": self.second, "rank": self.rank}
 
 
 @dataclass
@@ -88,8 +96,11 @@ def greedy_traces(
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
         new = out[0, ids.shape[1] :].to(draft.device)  # [new]
         logits = draft(out.to(draft.device)).logits[0, ids.shape[1] - 1 : -1]  # [new, vocab] draft's guess of each
-        top = logits.topk(min(2, logits.shape[-1]), dim=-1).indices  # [new, 2]
-        traces.append(GreedyTrace(list(prompt), new.tolist(), (top[:, 0] == new).tolist(), (top[:, -1] == new).tolist()))
+        top = logits.topk(min(RANKS, logits.shape[-1]), dim=-1).indices  # [new, ranks]
+        hit = top == new.unsqueeze(1)  # [new, ranks]
+        rank = torch.where(hit.any(dim=1), hit.long().argmax(dim=1), -1)  # [new]
+        agrees, second = (top[:, 0] == new).tolist(), (top[:, min(1, top.shape[1] - 1)] == new).tolist()
+        traces.append(GreedyTrace(list(prompt), new.tolist(), agrees, second, rank.tolist()))
     return traces
 
 
@@ -178,7 +189,20 @@ def _draft_forwards(n: int, longest: int, matches: list[int], lookahead: int) ->
     return [sum(start < n + k for start in starts) for k in range(longest + 1)]
 
 
-def fastest_schedule(trace: GreedyTrace, costs: OracleCosts, lookup: bool) -> OracleSchedule:
+def _ranks(trace: GreedyTrace, branching: int) -> list[int]:
+    """Each new token's rank among the draft's choices, `-1` where it is not among the first `branching`."""
+    if branching == 1:
+        return [0 if agrees else -1 for agrees in trace.agrees]
+    if trace.rank is None:
+        raise ValueError("A trace without draft ranks (`GreedyTrace.rank`) only prices chains: pass `branching=1`.")
+    if not 1 <= branching <= RANKS:
+        raise ValueError(f"`branching` must be between 1 and {RANKS} (the ranks a trace records), got {branching}.")
+    return [rank if 0 <= rank < branching else -1 for rank in trace.rank]
+
+
+def fastest_schedule(
+    trace: GreedyTrace, costs: OracleCosts, lookup: bool = False, branching: int = 1, max_nodes: int | None = None
+) -> OracleSchedule:
     """The fastest way, with hindsight, to decode `trace` in greedy steps (the prefill's token is free).
 
     At each position a step either decodes plainly, or drafts `k` tokens with the draft model where the draft agrees
@@ -186,17 +210,26 @@ def fastest_schedule(trace: GreedyTrace, costs: OracleCosts, lookup: bool) -> Or
     the prompt-lookup continuation where they are the target's (no draft forward); it emits them and the target's
     bonus token. Hindsight cuts every proposal at its last right token, and catch-ups of the draft are not priced, so
     this bounds what any method of that kind achieves at these prices.
+
+    With `branching > 1` the draft proposes token trees whose children are its first choices (as trees grown by
+    cumulative draft probability are): a tree follows the target through a position where the target's token is the
+    draft's `r`-th choice (`r < branching`) only if it also holds the `r` choices above it, so a `k`-deep path costs
+    `k` plus the sum of those ranks in nodes (at most `max_nodes`), one draft forward per depth.
     """
     size = len(trace.new)
-    runs, matches = _agreement_runs(trace.agrees), _lookup_matches(trace, costs)
+    ranks = _ranks(trace, branching)
+    runs, matches = _agreement_runs([rank >= 0 for rank in ranks]), _lookup_matches(trace, costs)
     best = [0.0] * (size + 1)  # seconds from position n (n tokens emitted) to the end
     plan: list[tuple[str, int, int]] = [("end", 0, 0)] * (size + 1)  # (kind, tokens proposed, draft forwards)
     for n in range(size - 1, 0, -1):
         room = size - n - 1  # most tokens a step may propose: its bonus token emits the last
         options = [(costs.verify(1) + best[n + 1], ("plain", 0, 0))]
-        longest = min(runs[n], costs.max_draft, room)
+        longest, nodes = min(runs[n], costs.max_draft, room), 0
         for k, forwards in enumerate(_draft_forwards(n, longest, matches, costs.lookahead)[1:], start=1):
-            seconds = forwards * costs.draft_forward + costs.verify(k + 1) + best[n + k + 1]
+            nodes += 1 + ranks[n + k - 1]
+            if max_nodes is not None and nodes > max_nodes:
+                break
+            seconds = forwards * costs.draft_forward + costs.verify(nodes + 1) + best[n + k + 1]
             options.append((seconds, ("draft", k, forwards)))
         for j in range(1, min(matches[n], costs.max_lookup, room) + 1) if lookup else ():
             options.append((costs.verify(j + 1) + best[n + j + 1], ("lookup", j, 0)))
