@@ -110,7 +110,7 @@ def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList) ->
     return joint
 
 
-def sample_loop(target, draft, prompt, k, n, temperature, top_k) -> torch.Tensor:
+def sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence=None) -> torch.Tensor:
     ids = prompt.unsqueeze(0).expand(n, -1)
     out = target.generate(
         input_ids=ids,
@@ -122,7 +122,9 @@ def sample_loop(target, draft, prompt, k, n, temperature, top_k) -> torch.Tensor
         max_new_tokens=NEW,
         assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop,
-        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k),
+        dynspec_config=DynSpecConfig(
+            policy="static", num_speculative_tokens=k, prefill_draft_confidence=prefill_confidence
+        ),
     )
     generated = out[:, prompt.shape[0] :]  # [n, NEW]
     return (generated * torch.tensor([VOCAB**i for i in reversed(range(NEW))])).sum(dim=1)
@@ -138,6 +140,19 @@ def test_loop_samples_follow_target_distribution(small_vocab_pair, k):
         joint = exact_joint(target, prompt, processors)
     torch.manual_seed(k)
     assert_converges(lambda n: sample_loop(target, draft, prompt, k, n, temperature, top_k), joint,
+                     sizes=(200, 2_000, 20_000))
+
+
+def test_loop_samples_follow_target_distribution_when_the_prefill_verifies_drafts(small_vocab_pair):
+    """Drafts verified in the prefill's forward, ended by the draft's own sampled probabilities, change nothing."""
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([3, 4, 5, 3, 2])
+    temperature, top_k = 0.9, 5
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    with torch.no_grad():
+        joint = exact_joint(target, prompt, processors)
+    torch.manual_seed(5)
+    assert_converges(lambda n: sample_loop(target, draft, prompt, 3, n, temperature, top_k, 0.5), joint,
                      sizes=(200, 2_000, 20_000))
 
 

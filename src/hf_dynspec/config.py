@@ -93,6 +93,14 @@ class DynSpecConfig:
                   "within this cost: all of `draft_lookahead` where wider forwards are nearly free (bfloat16 with AMX), "
                   "few or none where each token costs more (float32 with AVX2). None: no limit."},
     )
+    prefill_draft_confidence: float | None = field(
+        default=None,
+        metadata={"help": "Draft the first tokens before the prompt's prefill and verify them in the prefill's own "
+                  "forward, as transformers' assisted generation does: one target forward fewer per call (worth most "
+                  "where a target forward is dear, e.g. offloaded). The draft proposes up to the step's cap and stops "
+                  "after the first token whose draft probability is below this value. None: the prefill verifies "
+                  "nothing, and the policy decides from the first step on."},
+    )
     draft_vocab_size: int | None = field(
         default=65536,
         metadata={"help": "Draft model: propose only among the first this many token ids (a BPE vocabulary lists its "
@@ -135,6 +143,13 @@ class DynSpecConfig:
             raise ValueError(
                 f"`draft_lookahead_max_cost` must be a number >= 1 (a multiple of a one-token draft forward) or None "
                 f"(no limit), got {cost!r}."
+            )
+        confidence = self.prefill_draft_confidence
+        if confidence is not None and (
+            isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 <= confidence <= 1.0
+        ):
+            raise ValueError(
+                f"`prefill_draft_confidence` must be a draft probability in [0, 1] or None (off), got {confidence!r}."
             )
         if self.draft_vocab_size is not None:
             self._check_int("draft_vocab_size", minimum=1)

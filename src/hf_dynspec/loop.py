@@ -192,8 +192,6 @@ class _Run:
         self.target_cache = RaggedCache(
             cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction
         )
-        logits = self._target_forward(input_ids, mask, positions, 1)  # [batch, 1, vocab]
-        check_cache_supported(cache, "target model")
         batch = TokenBatch(
             tokens=self.output.clone(),
             prompt_width=input_ids.shape[1],
@@ -201,16 +199,67 @@ class _Run:
             num_generated=torch.zeros_like(self.output_generated),
             pad_id=self.pad_id,
         )
-        scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
-        root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
-        first = self._verify(scores, root_only, None)
         self.proposer.start(batch)
-        batch = self._emit(batch, first.emitted, first.accepted + 1, scores)
-        self.stats.prefill_seconds = self.placement.clock() - start
+        proposal, drafting = self._prefill_proposal(batch)
+        if proposal is None:
+            logits = self._target_forward(input_ids, mask, positions, 1)  # [batch, 1, vocab]
+            check_cache_supported(cache, "target model")
+            scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
+            root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
+            first = self._verify(scores, root_only, None)
+            batch = self._emit(batch, first.emitted, first.accepted + 1, scores)
+        else:
+            batch = self._prefill_verifying(batch, proposal, mask, positions)
+            check_cache_supported(cache, "target model")
+        self.stats.prefill_seconds = self.placement.clock() - start - drafting
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefill = PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio)
         self.policy.observe_prefill(prefill)
         return batch
+
+    def _prefill_proposal(self, batch: TokenBatch) -> tuple[Proposal | None, float]:
+        """With `prefill_draft_confidence`, the draft tokens the prefill's forward verifies (each row up to the step's
+        cap, stopped after its first token below that draft probability), and the seconds spent drafting them (booked
+        as draft and catch-up seconds); `(None, 0.0)` otherwise."""
+        threshold = self.config.prefill_draft_confidence
+        if threshold is None or self.proposer.model is None or self.config.num_speculative_tokens == 0:
+            return None, 0.0
+        lengths = (batch.remaining - 1).clamp(min=0, max=self.max_draft)  # [batch]
+        if not bool((lengths > 0).any()):
+            return None, 0.0
+        start = self.placement.clock()
+        budgets = torch.where(lengths > 0, self.config.tree_node_budget, 0) if self.config.tree_node_budget else None
+        free_rows = torch.zeros_like(lengths, dtype=torch.bool) if isinstance(self.proposer, HybridProposer) else None
+        sure = lambda rows, positions, probs: probs >= threshold  # noqa: E731 - the same rule on every rank
+        proposal = self.decisions.proposal(self.proposer.propose(batch, lengths, sure, free_rows, budgets))
+        seconds = self.placement.clock() - start
+        catchup, setup = self.proposer.catchup_seconds, self.proposer.setup_seconds
+        self.stats.draft_seconds += seconds - catchup - setup  # a one-off measurement is loop overhead
+        self.stats.catchup_seconds += catchup
+        return proposal, seconds - setup
+
+    def _prefill_verifying(
+        self, batch: TokenBatch, proposal: Proposal, mask: torch.LongTensor, positions: torch.LongTensor
+    ) -> TokenBatch:
+        """One target forward over each prompt and, on top of its last token, the draft tokens of `proposal`:
+        the prefill and the first verify at once. Returns the batch after emitting what it accepted."""
+        prompt = batch.tokens[:, : batch.prompt_width]  # [batch, prompt]
+        tree = proposal.tree(batch.last_tokens())  # root: the prompt's last token
+        nodes = tree.num_nodes
+        ids = torch.cat([prompt[:, :-1], tree.tokens], dim=1)  # [batch, prompt - 1 + nodes]
+        query_mask = torch.cat([mask[:, :-1], tree.valid.long()], dim=1)
+        node_positions = tree.position_ids(positions[:, -1])  # [batch, nodes]
+        visibility = prefix_visibility(mask[:, :-1], tree)  # [batch, width, width]
+        logits = self._target_forward(ids, query_mask, torch.cat([positions[:, :-1], node_positions], 1), nodes, visibility)
+        scores = process_tree_logits(self.logits_processor, batch, tree, logits)  # [batch, nodes, vocab]
+        outcome = self._verify(scores, tree, proposal.node_probs(tree))
+        self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
+        self.target_cache.settle()
+        self.proposer.commit(batch, proposal, outcome.kept)
+        self.stats.draft_tokens += int(proposal.lengths.sum())
+        self.stats.accepted_tokens += int(outcome.accepted.sum())
+        path_scores = self._path_scores(scores, outcome) if self.extra_criteria else None
+        return self._emit(batch, outcome.emitted, outcome.accepted + 1, path_scores)
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
@@ -434,6 +483,25 @@ _LEARNED_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
 policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
 generation keeps its heuristic draft length on the draft's generation config)."""
+
+
+def prefix_visibility(prefix_mask: torch.LongTensor, tree: TokenTree) -> torch.BoolTensor:
+    """`[batch, width, width]` what each token of a forward over a prompt prefix and then a token tree may see, on an
+    empty cache (`width = prefix + nodes`): a prefix token sees the row's real prefix tokens up to itself, a node the
+    row's whole real prefix and its ancestors and itself. Padding sees only itself (no row of the mask is empty).
+
+    Args:
+        prefix_mask: `[batch, prefix]` 1 on the prompt's tokens before the tree's root, 0 on padding.
+    """
+    real = prefix_mask.bool().to(tree.tokens.device)  # [batch, prefix]
+    prefix = real.shape[1]
+    causal = torch.ones(prefix, prefix, dtype=torch.bool, device=real.device).tril()  # [prefix, prefix]
+    itself = torch.eye(prefix, dtype=torch.bool, device=real.device)
+    top = (causal & real.unsqueeze(1)) | itself  # [batch, prefix, prefix]
+    top = torch.cat([top, top.new_zeros((real.shape[0], prefix, tree.num_nodes))], dim=2)  # nodes come later
+    bottom = tree.visibility(prefix)  # [batch, nodes, prefix + nodes]
+    bottom = torch.cat([bottom[:, :, :prefix] & real.unsqueeze(1), bottom[:, :, prefix:]], dim=2)
+    return torch.cat([top, bottom], dim=1)
 
 
 def _policy_for(
