@@ -65,6 +65,16 @@ def test_method_options_named_like_config_fields_set_the_config():
     assert methods.parse_method("dynspec-goodput", options).dynspec_config.draft_lookahead == DynSpecConfig().draft_lookahead
 
 
+def test_tree_method_options_named_like_config_fields_set_the_config():
+    options = methods.parse_policy_options(
+        ["tree@pd.prefill_draft_confidence=0.4", "tree@pd.early_stop=marginal", "tree-lookup@x.draft_lookahead=0"]
+    )
+    tree = methods.parse_method("dynspec-tree@pd:32:24", options).dynspec_config
+    assert (tree.prefill_draft_confidence, tree.tree_node_budget, tree.num_speculative_tokens) == (0.4, 32, 24)
+    assert tree.policy_options == {"early_stop": "marginal"}
+    assert methods.parse_method("dynspec-tree-lookup@x:8", options).dynspec_config.draft_lookahead == 0
+
+
 @pytest.mark.parametrize(
     "names, message",
     [

@@ -157,18 +157,18 @@ def _tree_method(
 ) -> Method:
     """`goodput` with token trees: draft-model trees (`dynspec-tree`) or prompt-lookup tries (`dynspec-tree-lookup`);
     a tag (`dynspec-tree@x`) takes its options from `policy_options["tree@x"]`."""
-    options = dict((policy_options or {}).get(base[len("dynspec-") :], {}))
+    options, fields = _config_fields(dict((policy_options or {}).get(base[len("dynspec-") :], {})))
     base = base.partition("@")[0]
     if base == "dynspec-tree":
         nodes_text, _, depth_text = (argument or "").partition(":")
         nodes = _count(name, nodes_text or None, DEFAULT_TREE_NODES)
         depth = _count(name, depth_text or None, DynSpecConfig().num_speculative_tokens)
-        config = DynSpecConfig(num_speculative_tokens=depth, policy="goodput", policy_options=options,
-                               tree_node_budget=nodes, tree_branching=TREE_BRANCHING)
+        config = DynSpecConfig(**{"tree_branching": TREE_BRANCHING, **fields}, num_speculative_tokens=depth,
+                               policy="goodput", policy_options=options, tree_node_budget=nodes)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=config)
     nodes = _count(name, argument, DEFAULT_TRIE_NODES)
-    config = DynSpecConfig(num_speculative_tokens=DEFAULT_LOOKUP_TOKENS, policy="goodput", policy_options=options,
-                           tree_node_budget=nodes)
+    config = DynSpecConfig(**fields, num_speculative_tokens=DEFAULT_LOOKUP_TOKENS, policy="goodput",
+                           policy_options=options, tree_node_budget=nodes)
     return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": DEFAULT_LOOKUP_TOKENS},
                   dynspec_config=config)
 
