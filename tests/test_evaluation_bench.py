@@ -306,10 +306,12 @@ def test_scenario_presets_and_overrides():
     assert settings.policy_options == {"goodput": {"window": 3}}
     settings = bench_command.settings_from_args(_parse(["--scenario", "offload", "--policy-option",
                                                         "goodput@marginal.window=5"]))
-    marginal = {"early_stop": "marginal"}
+    marginal = {"early_stop": "marginal", "prefill_draft_confidence": 0.4}
     assert settings.policy_options == {"goodput@marginal": {**marginal, "window": 5}, "tree": marginal}
     assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "35%"}
     assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": marginal}
+    parsed = methods.parse_methods(settings.methods, settings.policy_options)
+    assert [m.dynspec_config.prefill_draft_confidence for m in parsed if m.kind == "dynspec"] == [0.4, 0.4]
 
 
 def test_command_line_errors(capsys):

@@ -25,6 +25,7 @@ NON_DEFAULT = {
     "prompt_lookup_max_tokens": 6,
     "draft_lookahead": 0,
     "draft_lookahead_max_cost": None,
+    "prefill_draft_confidence": 0.3,
     "draft_vocab_size": None,
     "narrow_linear": "off",
     "compact_min_holes": 9,

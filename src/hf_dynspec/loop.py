@@ -179,7 +179,8 @@ class _Run:
         return sequences
 
     def _prefill(self, model_kwargs: dict) -> TokenBatch:
-        """Run the target over the prompts and pick each row's first token, as plain decoding does."""
+        """Run the target over the prompts and pick each row's first token, as plain decoding does (with
+        `prefill_draft_confidence`, also verify draft tokens on top of each prompt in the same forward)."""
         start = self.placement.clock()
         input_ids = self.input_ids
         mask = model_kwargs.get("attention_mask")
@@ -203,14 +204,13 @@ class _Run:
         proposal, drafting = self._prefill_proposal(batch)
         if proposal is None:
             logits = self._target_forward(input_ids, mask, positions, 1)  # [batch, 1, vocab]
-            check_cache_supported(cache, "target model")
             scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
             root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
             first = self._verify(scores, root_only, None)
             batch = self._emit(batch, first.emitted, first.accepted + 1, scores)
         else:
             batch = self._prefill_verifying(batch, proposal, mask, positions)
-            check_cache_supported(cache, "target model")
+        check_cache_supported(cache, "target model")  # the model may have built its cache in the forward
         self.stats.prefill_seconds = self.placement.clock() - start - drafting
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefill = PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio)
@@ -220,7 +220,7 @@ class _Run:
     def _prefill_proposal(self, batch: TokenBatch) -> tuple[Proposal | None, float]:
         """With `prefill_draft_confidence`, the draft tokens the prefill's forward verifies (each row up to the step's
         cap, stopped after its first token below that draft probability), and the seconds spent drafting them (booked
-        as draft and catch-up seconds); `(None, 0.0)` otherwise."""
+        as draft and catch-up seconds, the rest as overhead); `(None, 0.0)` otherwise."""
         threshold = self.config.prefill_draft_confidence
         if threshold is None or self.proposer.model is None or self.config.num_speculative_tokens == 0:
             return None, 0.0
@@ -236,7 +236,7 @@ class _Run:
         catchup, setup = self.proposer.catchup_seconds, self.proposer.setup_seconds
         self.stats.draft_seconds += seconds - catchup - setup  # a one-off measurement is loop overhead
         self.stats.catchup_seconds += catchup
-        return proposal, seconds - setup
+        return proposal, seconds
 
     def _prefill_verifying(
         self, batch: TokenBatch, proposal: Proposal, mask: torch.LongTensor, positions: torch.LongTensor

@@ -67,13 +67,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         batch_sizes=[1],
         max_new_tokens=48,
         methods="plain,hf-assisted,dynspec-goodput@marginal:16,dynspec-tree:32:16",
-        policy_options={"goodput@marginal": {"early_stop": "marginal"}, "tree": {"early_stop": "marginal"}},
+        policy_options={
+            "goodput@marginal": {"early_stop": "marginal", "prefill_draft_confidence": 0.4},
+            "tree": {"early_stop": "marginal", "prefill_draft_confidence": 0.4},
+        },
         output_lengths="eos",
         # the default target keeps 35% of its weights in memory (embeddings and the first layers: 1.1 GB in
         # bfloat16, 2.2 GB in float32); accelerate reads the other layers from the offload folder in every forward,
         # so a target step is dominated by weight movement and each target forward saved is worth far more than a
         # draft forward: goodput may draft up to 16 tokens and ends each draft with the marginal stop; trees up to
-        # 16 deep with 32 nodes, ended by the same stop
+        # 16 deep with 32 nodes, ended by the same stop; the prefill's forward verifies the first drafts (a target
+        # forward fewer per call)
         target_max_memory={"cpu": "35%"},
         target_offload_folder=str(default_cache_dir() / "offload" / "target"),
     ),
