@@ -8,8 +8,7 @@ from conftest import left_padded_prompts, perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.candidates.tree import TokenTree
-from hf_dynspec.loop import prefix_visibility
+from hf_dynspec.candidates.tree import TokenTree, prefix_visibility
 
 
 def run(target, draft, ids, mask, config: DynSpecConfig, **kwargs):
@@ -64,6 +63,15 @@ def test_prefill_draft_saves_a_target_forward_when_the_draft_is_the_target():
     assert before.dynspec_stats.target_forwards == 3
     assert after.dynspec_stats.target_forwards == 2
     assert after.dynspec_stats.prefill_seconds > 0 and after.dynspec_stats.draft_seconds > 0
+
+
+@pytest.mark.parametrize("lengths", [[1], [1, 1, 1], [1, 6]])
+def test_prefill_draft_with_one_token_prompts(pair, lengths):
+    target, draft = pair
+    ids, mask = left_padded_prompts(lengths, seed=4)
+    expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=4, prefill_draft_confidence=0.0)
+    assert torch.equal(run(target, draft, ids, mask, config, do_sample=False, max_new_tokens=12).sequences, expected)
 
 
 def test_prefill_draft_confidence_is_checked():

@@ -19,7 +19,7 @@ from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
 from .candidates.hybrid import HybridProposer
 from .candidates.prompt_lookup import PromptLookupProposer
-from .candidates.tree import TokenTree
+from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
 from .distributed import DecisionBroadcast
@@ -483,25 +483,6 @@ _LEARNED_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
 policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
 generation keeps its heuristic draft length on the draft's generation config)."""
-
-
-def prefix_visibility(prefix_mask: torch.LongTensor, tree: TokenTree) -> torch.BoolTensor:
-    """`[batch, width, width]` what each token of a forward over a prompt prefix and then a token tree may see, on an
-    empty cache (`width = prefix + nodes`): a prefix token sees the row's real prefix tokens up to itself, a node the
-    row's whole real prefix and its ancestors and itself. Padding sees only itself (no row of the mask is empty).
-
-    Args:
-        prefix_mask: `[batch, prefix]` 1 on the prompt's tokens before the tree's root, 0 on padding.
-    """
-    real = prefix_mask.bool().to(tree.tokens.device)  # [batch, prefix]
-    prefix = real.shape[1]
-    causal = torch.ones(prefix, prefix, dtype=torch.bool, device=real.device).tril()  # [prefix, prefix]
-    itself = torch.eye(prefix, dtype=torch.bool, device=real.device)
-    top = (causal & real.unsqueeze(1)) | itself  # [batch, prefix, prefix]
-    top = torch.cat([top, top.new_zeros((real.shape[0], prefix, tree.num_nodes))], dim=2)  # nodes come later
-    bottom = tree.visibility(prefix)  # [batch, nodes, prefix + nodes]
-    bottom = torch.cat([bottom[:, :, :prefix] & real.unsqueeze(1), bottom[:, :, prefix:]], dim=2)
-    return torch.cat([top, bottom], dim=1)
 
 
 def _policy_for(
