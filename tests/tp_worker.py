@@ -35,6 +35,9 @@ POLICY_CONFIGS = {
     "confidence": DynSpecConfig(num_speculative_tokens=4, policy="confidence", policy_options={"threshold": 0.5}),
     "heuristic": DynSpecConfig(num_speculative_tokens=4, policy="heuristic"),
     "goodput_tree": DynSpecConfig(num_speculative_tokens=3, policy="goodput", tree_node_budget=8, tree_branching=2),
+    "goodput_tree_prefill": DynSpecConfig(
+        num_speculative_tokens=3, policy="goodput", tree_node_budget=8, tree_branching=2, prefill_draft_confidence=0.3
+    ),
 }
 
 
