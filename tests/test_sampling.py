@@ -130,30 +130,22 @@ def sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confide
     return (generated * torch.tensor([VOCAB**i for i in reversed(range(NEW))])).sum(dim=1)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_loop_samples_follow_target_distribution(small_vocab_pair, k):
+@pytest.mark.parametrize(
+    ("k", "prefill_confidence"),
+    [(1, None), (3, None), (3, 0.5)],  # 0.5: the prefill verifies drafts ended by their own sampled probabilities
+)
+def test_loop_samples_follow_target_distribution(small_vocab_pair, k, prefill_confidence):
     target, draft = small_vocab_pair
     prompt = torch.tensor([3, 4, 5, 3, 2])
     temperature, top_k = 0.9, 5
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
     with torch.no_grad():
         joint = exact_joint(target, prompt, processors)
-    torch.manual_seed(k)
-    assert_converges(lambda n: sample_loop(target, draft, prompt, k, n, temperature, top_k), joint,
-                     sizes=(200, 2_000, 20_000))
-
-
-def test_loop_samples_follow_target_distribution_when_the_prefill_verifies_drafts(small_vocab_pair):
-    """Drafts verified in the prefill's forward, ended by the draft's own sampled probabilities, change nothing."""
-    target, draft = small_vocab_pair
-    prompt = torch.tensor([3, 4, 5, 3, 2])
-    temperature, top_k = 0.9, 5
-    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
-    with torch.no_grad():
-        joint = exact_joint(target, prompt, processors)
-    torch.manual_seed(5)
-    assert_converges(lambda n: sample_loop(target, draft, prompt, 3, n, temperature, top_k, 0.5), joint,
-                     sizes=(200, 2_000, 20_000))
+    torch.manual_seed(k if prefill_confidence is None else 5)
+    assert_converges(
+        lambda n: sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence), joint,
+        sizes=(200, 2_000, 20_000),
+    )
 
 
 def test_seeded_sampling_is_reproducible(small_vocab_pair):

@@ -98,8 +98,9 @@ class DynSpecConfig:
         metadata={"help": "Draft the first tokens before the prompt's prefill and verify them in the prefill's own "
                   "forward, as transformers' assisted generation does: one target forward fewer per call (worth most "
                   "where a target forward is dear, e.g. offloaded). The draft proposes up to the step's cap and stops "
-                  "after the first token whose draft probability is below this value. None: the prefill verifies "
-                  "nothing, and the policy decides from the first step on."},
+                  "after the first token whose draft probability is below this value. Needs a draft model (prompt "
+                  "lookup alone has no probabilities and ignores it). None: the prefill verifies nothing, and the "
+                  "policy decides from the first step on."},
     )
     draft_vocab_size: int | None = field(
         default=65536,
