@@ -307,11 +307,14 @@ def test_scenario_presets_and_overrides():
     settings = bench_command.settings_from_args(_parse(["--scenario", "offload", "--policy-option",
                                                         "goodput@marginal.window=5"]))
     marginal = {"early_stop": "marginal", "prefill_draft_confidence": 0.4}
-    assert settings.policy_options == {"goodput@marginal": {**marginal, "window": 5}, "tree": marginal}
+    tree = {**marginal, "tree_branching": 3, "tree_stop_judges": "tree"}
+    assert settings.policy_options == {"goodput@marginal": {**marginal, "window": 5}, "tree": tree}
     assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "35%"}
-    assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": marginal}
+    assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": tree}
     parsed = methods.parse_methods(settings.methods, settings.policy_options)
     assert [m.dynspec_config.prefill_draft_confidence for m in parsed if m.kind == "dynspec"] == [0.4, 0.4]
+    trees = [m.dynspec_config for m in parsed if m.name == "dynspec-tree:32:24"]
+    assert [(c.tree_branching, c.tree_stop_judges, c.tree_node_budget) for c in trees] == [(3, "tree", 32)]
 
 
 def test_command_line_errors(capsys):

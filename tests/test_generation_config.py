@@ -20,6 +20,7 @@ NON_DEFAULT = {
     "proposer": "hybrid",
     "tree_node_budget": 6,
     "tree_branching": 3,
+    "tree_stop_judges": "tree",
     "prompt_lookup_max_ngram": 5,
     "prompt_lookup_min_ngram": 2,
     "prompt_lookup_max_tokens": 6,

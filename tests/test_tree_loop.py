@@ -144,6 +144,40 @@ def test_early_stop_sees_each_depths_best_node(pair):
     assert all(0.0 < q <= 1.0 for _, probs in policy.seen for q in probs)
 
 
+@pytest.mark.parametrize("branching", [2, 3])
+def test_tree_judge_shows_the_stop_every_proposable_sibling(pair, branching):
+    """With `tree_stop_judges='tree'` the stop is shown, at depth 1, the draft's probability that the target's first
+    token is any of the root's children (the sum of its `branching` likeliest tokens), and at depth 2 the share of the
+    tree's depth-1 mass its depth-2 nodes carry; the tree grows and stops as with 'best', and output stays plain's."""
+    target, draft = pair
+    ids, mask = left_padded_prompts([7], seed=2)
+    expected = plain(target, ids, mask, max_new_tokens=12)
+    policy = StopAtDepth(depth_cap=4, stop_after=2)
+    config = DynSpecConfig(num_speculative_tokens=4, tree_node_budget=12, tree_branching=branching,
+                           tree_stop_judges="tree")
+    out = speculative(target, ids, mask, config, draft, dynspec_policy=policy, do_sample=False, max_new_tokens=12)
+    assert torch.equal(out.sequences, expected)
+    assert all(step.draft_depths[0] <= 2 for step in out.dynspec_stats.steps if step.draft_lengths[0] > 0)
+    with torch.no_grad():  # the draft after the prompt and the prefill's token
+        probs = draft(expected[:, : ids.shape[1] + 1]).logits[0, -1].softmax(-1)
+    top = probs.topk(branching)
+    assert policy.seen[0] == ([0], [pytest.approx(float(top.values.sum()), rel=1e-3)])
+    assert policy.seen[0][1][0] > float(top.values[0])  # more than 'best' shows: the siblings count
+    # depth 2: the children of the `branching` depth-1 nodes, over those nodes' mass
+    with torch.no_grad():
+        below = torch.stack([
+            draft(torch.cat([expected[:, : ids.shape[1] + 1], token.view(1, 1)], 1)).logits[0, -1].softmax(-1)
+            for token in top.indices
+        ])  # [branching, vocab]
+    reached = (top.values.unsqueeze(1) * below.topk(branching).values).sum()
+    assert policy.seen[1] == ([1], [pytest.approx(float(reached / top.values.sum()), rel=1e-3)])
+
+
+def test_tree_judge_is_validated():
+    with pytest.raises(ValueError, match="`tree_stop_judges` must be one of"):
+        DynSpecConfig(tree_stop_judges="mass")
+
+
 def test_lookup_trie_matches_plain_greedy(pair):
     target, _ = pair
     base = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 3, 5, 6]])

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 PROPOSERS = ("auto", "hybrid")
 """Values of `DynSpecConfig.proposer`."""
+TREE_STOP_JUDGES = ("best", "tree")
+"""What a policy's early stop judges at each depth of a draft-model tree (`DynSpecConfig.tree_stop_judges`)."""
 
 GENERATION_CONFIG_KEY = "dynspec"
 """Key under which the settings live in a model's `generation_config.json`."""
@@ -62,6 +64,13 @@ class DynSpecConfig:
     tree_branching: int = field(
         default=2,
         metadata={"help": "Draft-model trees: children of each expanded node, and nodes expanded per depth."},
+    )
+    tree_stop_judges: str = field(
+        default="best",
+        metadata={"help": "Draft-model trees under a policy's early stop: what the stop judges at each depth. 'best': "
+                  "the draft's probability of the depth's most valuable node given its parent (the tree judged as "
+                  "its best chain); 'tree': the draft's probability that the path reaches the depth's nodes given "
+                  "it reached the previous depth's (siblings count)."},
     )
     prompt_lookup_max_ngram: int = field(
         default=3,
@@ -134,6 +143,8 @@ class DynSpecConfig:
         self._check_int("num_speculative_tokens", minimum=0)
         self._check_int("tree_node_budget", minimum=0)
         self._check_int("tree_branching", minimum=1)
+        if self.tree_stop_judges not in TREE_STOP_JUDGES:
+            raise ValueError(f"`tree_stop_judges` must be one of {list(TREE_STOP_JUDGES)}, got {self.tree_stop_judges!r}.")
         self._check_int("prompt_lookup_max_ngram", minimum=1)
         self._check_int("prompt_lookup_min_ngram", minimum=1)
         self._check_int("prompt_lookup_max_tokens", minimum=1)

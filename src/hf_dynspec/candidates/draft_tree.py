@@ -85,8 +85,9 @@ class DraftTreeProposer(DraftModelProposer):
     """Proposes a token tree per row with a draft model; `lengths` cap each row's depth, `node_budgets` its size.
 
     Without `node_budgets` a row gets as many nodes as its depth cap (the size of a chain of that length). In greedy
-    decoding a policy's early stop (`continue_drafting`) also ends a row's tree: it judges the chain of the row's most
-    valuable node at each depth, and the row grows no deeper once it says stop. Sampled trees keep their depth caps.
+    decoding a policy's early stop (`continue_drafting`) also ends a row's tree: at each depth it judges either the
+    chain of the row's most valuable nodes or the whole tree (`DynSpecConfig.tree_stop_judges`), and the row grows no
+    deeper once it says stop. Sampled trees keep their depth caps.
     """
 
     def __init__(self, *args, branching: int = 2, **kwargs) -> None:
@@ -115,7 +116,7 @@ class DraftTreeProposer(DraftModelProposer):
         growth, context_length = self._grow_root(batch, (ids, mask, positions), reach, lookahead)
         for depth in range(1, int(lengths.max())):
             if early_stop is not None and not self.do_sample:
-                reach = self._stop_growing(early_stop, growth.candidates, depth, reach)
+                reach = self._stop_growing(early_stop, growth.candidates, depth, reach, budgets)
                 if not bool((reach > depth).any()):
                     break
             frontier, active = self._frontier(growth, depth, reach)  # [batch, width] each
@@ -200,23 +201,39 @@ class DraftTreeProposer(DraftModelProposer):
             q_index=torch.zeros_like(tokens),
         )
 
-    @staticmethod
     def _stop_growing(
-        early_stop: EarlyStop, candidates: _Candidates, depth: int, reach: torch.LongTensor
+        self, early_stop: EarlyStop, candidates: _Candidates, depth: int, reach: torch.LongTensor,
+        budgets: torch.LongTensor,
     ) -> torch.LongTensor:
-        """`reach` (`[batch]`) cut to `depth` where `early_stop` ends the row after its most valuable node at `depth`:
-        the tree is judged as the chain of its best nodes, each by the draft's probability of that node given its
-        parent (`position = depth - 1`). The other branches ride along: they cost no extra draft forward."""
+        """`reach` (`[batch]`) cut to `depth` where `early_stop` ends the row after `depth`, judged by the draft's
+        probability of reaching `depth` given `depth - 1` (`position = depth - 1`), per `DynSpecConfig.tree_stop_judges`:
+
+        - 'best': of the depth's most valuable node given its parent: the tree judged as the chain of its best nodes;
+          the other branches ride along (they cost no extra draft forward);
+        - 'tree': of any node of the depth, over any of the previous depth, among the row's `budgets` most valuable
+          candidates so far (the nodes it would propose): where the draft hesitates between siblings, the tree
+          still covers the target's likely choices, and keeps growing.
+        """
         rows = (reach > depth).nonzero().squeeze(1)  # [n] rows that could grow deeper
         if rows.numel() == 0:
             return reach
-        at_depth = torch.where(candidates.depths[rows] == depth, candidates.values[rows], float("-inf"))  # [n, c]
-        best = at_depth.argmax(dim=1, keepdim=True)  # [n, 1]
-        parents = candidates.parents[rows].gather(1, best)  # [n, 1], -1 at depth 1
-        parent_values = candidates.values[rows].gather(1, parents.clamp(min=0))  # [n, 1]
-        own = at_depth.gather(1, best) - torch.where(parents >= 0, parent_values, 0.0)  # [n, 1] log q given parent
+        values = candidates.values[rows]  # [n, created]
+        if self.config.tree_stop_judges == "tree":
+            ranked = values.sort(dim=1, descending=True, stable=True).values  # [n, created]
+            floor = ranked.gather(1, (budgets[rows].clamp(min=1) - 1).clamp(max=values.shape[1] - 1).unsqueeze(1))
+            kept = values.exp() * (values >= floor)  # [n, created] path probabilities of proposable candidates
+            depths = candidates.depths[rows]
+            reached = (kept * (depths == depth)).sum(dim=1)
+            before = (kept * (depths == depth - 1)).sum(dim=1) if depth > 1 else torch.ones_like(reached)
+            own = (reached / before.clamp(min=1e-30)).clamp(max=1.0)  # [n]
+        else:
+            at_depth = torch.where(candidates.depths[rows] == depth, values, float("-inf"))  # [n, c]
+            best = at_depth.argmax(dim=1, keepdim=True)  # [n, 1]
+            parents = candidates.parents[rows].gather(1, best)  # [n, 1], -1 at depth 1
+            parent_values = values.gather(1, parents.clamp(min=0))  # [n, 1]
+            own = (at_depth.gather(1, best) - torch.where(parents >= 0, parent_values, 0.0)).squeeze(1).exp()
         positions = torch.full_like(rows, depth - 1)
-        keep = early_stop(rows, positions, own.squeeze(1).exp())
+        keep = early_stop(rows, positions, own)
         if keep is None:
             return reach
         stopped = rows[~keep.to(rows.device)]
