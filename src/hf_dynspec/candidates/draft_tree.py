@@ -217,21 +217,10 @@ class DraftTreeProposer(DraftModelProposer):
         rows = (reach > depth).nonzero().squeeze(1)  # [n] rows that could grow deeper
         if rows.numel() == 0:
             return reach
-        values = candidates.values[rows]  # [n, created]
         if self.config.tree_stop_judges == "tree":
-            ranked = values.sort(dim=1, descending=True, stable=True).values  # [n, created]
-            floor = ranked.gather(1, (budgets[rows].clamp(min=1) - 1).clamp(max=values.shape[1] - 1).unsqueeze(1))
-            kept = values.exp() * (values >= floor)  # [n, created] path probabilities of proposable candidates
-            depths = candidates.depths[rows]
-            reached = (kept * (depths == depth)).sum(dim=1)
-            before = (kept * (depths == depth - 1)).sum(dim=1) if depth > 1 else torch.ones_like(reached)
-            own = (reached / before.clamp(min=1e-30)).clamp(max=1.0)  # [n]
+            own = _reach_probability(candidates, rows, depth, budgets[rows])
         else:
-            at_depth = torch.where(candidates.depths[rows] == depth, values, float("-inf"))  # [n, c]
-            best = at_depth.argmax(dim=1, keepdim=True)  # [n, 1]
-            parents = candidates.parents[rows].gather(1, best)  # [n, 1], -1 at depth 1
-            parent_values = values.gather(1, parents.clamp(min=0))  # [n, 1]
-            own = (at_depth.gather(1, best) - torch.where(parents >= 0, parent_values, 0.0)).squeeze(1).exp()
+            own = _best_node_probability(candidates, rows, depth)
         positions = torch.full_like(rows, depth - 1)
         keep = early_stop(rows, positions, own)
         if keep is None:
@@ -392,6 +381,31 @@ class DraftTreeProposer(DraftModelProposer):
             index = place(candidates.q_index, 0)  # [batch, width]
             probs = q_store.gather(1, index.unsqueeze(2).expand(-1, -1, q_store.shape[2]))
         return Proposal(place(candidates.tokens, batch.pad_id), chosen.sum(dim=1), probs, place(parent_nodes, 0))
+
+
+def _best_node_probability(candidates: _Candidates, rows: torch.LongTensor, depth: int) -> torch.Tensor:
+    """`[n]` the draft's probability of each row's most valuable node at `depth` given its parent."""
+    values = candidates.values[rows]  # [n, created]
+    at_depth = torch.where(candidates.depths[rows] == depth, values, float("-inf"))  # [n, created]
+    best = at_depth.argmax(dim=1, keepdim=True)  # [n, 1]
+    parents = candidates.parents[rows].gather(1, best)  # [n, 1], -1 at depth 1
+    parent_values = values.gather(1, parents.clamp(min=0))  # [n, 1]
+    return (at_depth.gather(1, best) - torch.where(parents >= 0, parent_values, 0.0)).squeeze(1).exp()
+
+
+def _reach_probability(
+    candidates: _Candidates, rows: torch.LongTensor, depth: int, budgets: torch.LongTensor
+) -> torch.Tensor:
+    """`[n]` the draft's probability that a path reaches `depth` given that it reached `depth - 1`, over each row's
+    `budgets` (`[n]`) most valuable candidates: their path probabilities at `depth` over those at `depth - 1`."""
+    values = candidates.values[rows]  # [n, created] log path probabilities
+    ranked = values.sort(dim=1, descending=True).values
+    floor = ranked.gather(1, (budgets.clamp(min=1) - 1).clamp(max=values.shape[1] - 1).unsqueeze(1))  # [n, 1]
+    kept = values.exp() * (values >= floor)  # [n, created] zero for candidates the row would not propose
+    depths = candidates.depths[rows]
+    reached = (kept * (depths == depth)).sum(dim=1)
+    before = (kept * (depths == depth - 1)).sum(dim=1) if depth > 1 else torch.ones_like(reached)
+    return (reached / before.clamp(min=1e-30)).clamp(max=1.0)
 
 
 def _grow(
