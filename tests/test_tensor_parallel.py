@@ -25,7 +25,8 @@ from hf_dynspec.verification import tree_outcome
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 POLICIES = [
-    "static", "threshold", "batch_table", "goodput", "confidence", "heuristic", "goodput_tree", "goodput_tree_prefill"
+    "static", "threshold", "batch_table", "goodput", "confidence", "heuristic", "goodput_tree", "goodput_tree_prefill",
+    "goodput_tree_judged",
 ]
 NEW_TOKENS = 16  # as in the worker
 LAUNCH_TIMEOUT = 240

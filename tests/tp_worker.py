@@ -38,6 +38,11 @@ POLICY_CONFIGS = {
     "goodput_tree_prefill": DynSpecConfig(
         num_speculative_tokens=3, policy="goodput", tree_node_budget=8, tree_branching=2, prefill_draft_confidence=0.3
     ),
+    # the marginal stop decides from measured step costs, which differ per rank; it judges each tree whole
+    "goodput_tree_judged": DynSpecConfig(
+        num_speculative_tokens=4, policy="goodput", policy_options={"early_stop": "marginal"}, tree_node_budget=9,
+        tree_branching=3, tree_stop_judges="tree", prefill_draft_confidence=0.3,
+    ),
 }
 
 
