@@ -128,8 +128,8 @@ def main() -> None:
     finally:
         runner.close()
         pricer.remove()
-    print(f"read seconds: {read:.3f}; added to a prefill: {extra:.3f}; in-memory prefill forward: median "
-          f"{statistics.median(pricer.prefills):.3f} s over {len(pricer.prefills)}")
+    prefills = f"median {statistics.median(pricer.prefills):.3f} s over {len(pricer.prefills)}" if pricer.prefills else "none"
+    print(f"read seconds: {read:.3f}; added to a prefill: {extra:.3f}; in-memory prefill forwards: {prefills}")
     report(results, methods[0].name)
     if args.out:
         summary = {"read_seconds": read, "prefill_extra_seconds": extra, "options": options, "methods": results}

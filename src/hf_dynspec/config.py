@@ -143,8 +143,7 @@ class DynSpecConfig:
         self._check_int("num_speculative_tokens", minimum=0)
         self._check_int("tree_node_budget", minimum=0)
         self._check_int("tree_branching", minimum=1)
-        if self.tree_stop_judges not in TREE_STOP_JUDGES:
-            raise ValueError(f"`tree_stop_judges` must be one of {list(TREE_STOP_JUDGES)}, got {self.tree_stop_judges!r}.")
+        self._check_choice("tree_stop_judges", TREE_STOP_JUDGES)
         self._check_int("prompt_lookup_max_ngram", minimum=1)
         self._check_int("prompt_lookup_min_ngram", minimum=1)
         self._check_int("prompt_lookup_max_tokens", minimum=1)
@@ -174,10 +173,8 @@ class DynSpecConfig:
             raise ValueError(f"`compact_hole_fraction` must be a number in (0, 1], got {self.compact_hole_fraction!r}.")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"`policy` must be a policy name such as 'static', got {self.policy!r}.")
-        if self.narrow_linear not in NARROW_LINEAR:
-            raise ValueError(f"`narrow_linear` must be one of {list(NARROW_LINEAR)}, got {self.narrow_linear!r}.")
-        if self.proposer not in PROPOSERS:
-            raise ValueError(f"`proposer` must be one of {list(PROPOSERS)}, got {self.proposer!r}.")
+        self._check_choice("narrow_linear", NARROW_LINEAR)
+        self._check_choice("proposer", PROPOSERS)
         if not isinstance(self.policy_options, dict):
             raise ValueError(f"`policy_options` must be a dict, got {type(self.policy_options).__name__}.")
         if not isinstance(self.collect_step_stats, bool):
@@ -187,6 +184,11 @@ class DynSpecConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+    def _check_choice(self, name: str, choices: tuple) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
 
     # ---- serialisation -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
