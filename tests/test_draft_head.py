@@ -165,3 +165,20 @@ def test_the_bench_counts_every_forward_of_a_narrowed_draft(llama):
     )
     assert counter.take() == out.dynspec_stats.draft_forwards > 0
     counter.remove()
+
+
+def test_a_slice_of_hidden_states_takes_one_product(llama):
+    """The last positions of a wider block (as a catch-up or a lookahead forward keeps them) reach the narrowed head
+    as a slice; it is multiplied in one product (no copy of the weight), with the logits of the whole block's rows."""
+    from test_kernels import _Ops
+
+    model = tiny_model("llama", seed=4).requires_grad_(False)
+    head = DraftHead.for_batch(model, 40, torch.tensor([[70, 5]]), [EOS])
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = head.decoder(input_ids=ids).last_hidden_state  # [1, 6, hidden]
+        whole = head.logits(hidden)
+        with _Ops() as ops:
+            last = head.logits(hidden[:, -2:])  # [1, 2, vocab]
+    assert "bmm" not in ops.names
+    torch.testing.assert_close(last, whole[:, -2:])

@@ -130,7 +130,7 @@ def test_narrow_modifier_runs_plain_and_hf_methods_weight_first(pair, monkeypatc
     assert parsed["hf-assisted/bf16+narrow"].draft_variant == "bf16" and parsed["hf-assisted/bf16+narrow"].narrow
     with pytest.raises(MethodError, match="narrow_linear"):
         methods.parse_method("dynspec-goodput+narrow")
-    with pytest.raises(MethodError, match="only modifier"):
+    with pytest.raises(MethodError, match="may only be"):
         methods.parse_method("plain+wide")
     monkeypatch.setattr(runner, "narrow_rows", lambda model, setting: 64)  # as measured on a CPU where it is faster
     routed: list[int] = []
@@ -374,3 +374,21 @@ def test_paired_speedups_divide_each_repetition_by_plains_own():
     assert bench.paired_speedups(measured([5.0], tokens=15), measured([10.0], tokens=30)) == pytest.approx([1.0])
     assert report._spread([2.0, 2.5, 1.0]) == "1.00 – 2.50x" and report._spread([1.25]) == "1.25x"
     assert report._spread(None) == "–"
+
+
+def test_rowmajor_modifier_feeds_the_baselines_output_layer_row_major(pair, monkeypatch):
+    parsed = {m.name: m for m in methods.parse_methods("plain,plain+rowmajor,hf-assisted+narrow+rowmajor")}
+    assert parsed["plain+rowmajor"].row_major and not parsed["plain+rowmajor"].narrow
+    assert parsed["hf-assisted+narrow+rowmajor"].row_major and parsed["hf-assisted+narrow+rowmajor"].narrow
+    with pytest.raises(MethodError, match="always feed output layers row-major"):
+        methods.parse_method("dynspec-goodput+rowmajor")
+    entered: list[int] = []
+    original = runner.row_major_output
+    monkeypatch.setattr(runner, "row_major_output", lambda *models: entered.append(len(models)) or original(*models))
+    settings = bench.BenchSettings(tiny=True, num_prompts=2, batch_sizes=[1], max_new_tokens=6, repetitions=1,
+                                   warmup_tokens=0, methods="plain,plain+rowmajor,hf-assisted+rowmajor")
+    prompts = random_token_prompts(2, TINY_VOCAB, seed=3)
+    results = bench.run_benchmark(settings, target=pair[0], draft=pair[1], prompts=prompts, progress=False)
+    runs = {r["method"]: r for r in results["runs"]}
+    assert 1 in entered and 2 in entered  # plain: the target's output layer; hf-assisted: the draft's as well
+    assert runs["plain+rowmajor"]["matches_plain"] and runs["hf-assisted+rowmajor"]["matches_plain"]

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import left_padded_prompts, perturbed, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig, kernels
-from hf_dynspec.kernels import MAX_NARROW_ROWS, NarrowLinear, narrow_rows, weight_first_linear
+from hf_dynspec.kernels import MAX_NARROW_ROWS, NarrowLinear, narrow_rows, row_major_output, weight_first_linear
 from hf_dynspec.placement import Placement
 
 
@@ -151,3 +152,68 @@ def test_weight_first_forwards_match_plain_greedy(family, dtype, tree_node_budge
     )
     assert torch.equal(out.sequences, expected)
     assert out.dynspec_stats.accepted_tokens > 0 and out.dynspec_stats.compactions > 0
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every aten op run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _foldable(x: torch.Tensor) -> bool:
+    return all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2))
+
+
+def test_row_major_copies_only_what_matmul_cannot_fold():
+    block = torch.randn(2, 5, 8)  # [batch, width, hidden]
+    assert kernels.row_major(block) is block
+    last = block[:, -2:]  # [2, 2, 8] with the block's strides
+    copied = kernels.row_major(last)
+    assert not _foldable(last) and _foldable(copied) and copied.stride() == (16, 8, 1) and torch.equal(copied, last)
+    one = torch.randn(1, 3, 8)[:, -1:]  # "contiguous" by PyTorch's rule (size-1 dims), yet not foldable
+    assert one.is_contiguous() and not _foldable(one) and _foldable(kernels.row_major(one))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_output_layer_takes_one_product_on_a_slice(family):
+    """Weights that do not require grad (as accelerate loads offloaded ones) and a slice of the last positions:
+    stock `F.linear` multiplies by the weight expanded to a batch (`bmm`, a copy of the weight first), inside
+    `row_major_output` it is one matrix product, with the same logits."""
+    model = tiny_model(family, seed=3, dtype=torch.float32).requires_grad_(False)
+    hidden = torch.randn(2, 6, model.config.hidden_size)[:, -2:]  # [2, 2, hidden]
+    with torch.no_grad():
+        with _Ops() as stock:
+            expected = model.lm_head(hidden)
+        with row_major_output(model), _Ops() as folded:
+            logits = model.lm_head(hidden)
+    assert "bmm" in stock.names  # the PyTorch behaviour `row_major_output` works around
+    assert "bmm" not in folded.names and {"mm", "addmm"} & set(folded.names)
+    torch.testing.assert_close(logits, expected)
+    assert not model.lm_head._forward_pre_hooks  # removed on exit
+
+
+def test_the_loop_feeds_output_layers_row_major_and_matches_plain_greedy():
+    target = tiny_model("qwen2", seed=5, dtype=torch.float32).requires_grad_(False)
+    draft = perturbed(target, scale=0.05, seed=4).requires_grad_(False)
+    ids, mask = left_padded_prompts([4, 9, 7], seed=3)
+    expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    given: list[bool] = []  # per output-layer call: whether the model handed it a foldable input
+    taken: list[bool] = []  # whether the layer computed on a foldable one
+    hooks = [hook for m in (target, draft) for hook in (
+        m.lm_head.register_forward_pre_hook(lambda module, args: given.append(_foldable(args[0]))),  # runs first
+        m.lm_head.register_forward_hook(lambda module, args, out: taken.append(_foldable(args[0]))),
+    )]
+    config = DynSpecConfig(policy="static", num_speculative_tokens=3, prefill_draft_confidence=0.0, draft_vocab_size=None)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, assistant_model=draft,
+                          custom_generate=hf_dynspec.speculative_loop, dynspec_config=config)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(out, expected)
+    assert not all(given)  # prefills keep the last positions of a wider block: slices matmul cannot fold
+    assert len(taken) == len(given) and all(taken)

@@ -27,7 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .cache import cache_kwarg
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
-from .kernels import NARROW_LINEAR, narrow_linear, narrow_rows
+from .kernels import NARROW_LINEAR, narrow_linear, narrow_rows, row_major_output
 from .placement import input_device
 from .policies.batch_table import BatchTablePolicy
 
@@ -114,7 +114,7 @@ class _CachedForward:
         ids = torch.randint(self.vocab, (self.batch_size, width), generator=self.generator).to(self.device)
         positions = (offset + torch.arange(width)).unsqueeze(0).expand(self.batch_size, -1).to(self.device)
         mask = torch.ones((self.batch_size, offset + width), dtype=torch.long, device=self.device)
-        with narrow_linear(self.narrow_rows):
+        with narrow_linear(self.narrow_rows), row_major_output(self.model):  # the kernels the loop runs
             self._call(ids, mask, positions, keep)
 
     def _call(self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, keep: int) -> None:

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from .cache import RaggedCache, cache_kwarg
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask
-from .kernels import narrow_linear, narrow_rows
+from .kernels import narrow_linear, narrow_rows, row_major_output
 
 
 @functools.cache
@@ -165,7 +165,7 @@ class Placement:
             position_ids=positions.to(device, non_blocking=True),
             use_cache=True,
         )
-        with narrow_linear(self.narrow_rows.get(id(model), 0)):
+        with narrow_linear(self.narrow_rows.get(id(model), 0)), row_major_output(model):
             if head is not None:
                 inputs[_cache_kwarg(type(head.decoder))] = cache.cache
                 hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]

@@ -21,6 +21,8 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
+from ..kernels import row_major
+
 logger = logging.getLogger(__name__)
 
 _SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
@@ -68,7 +70,7 @@ class DraftHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[batch, keep, hidden]` last hidden states -> `[batch, keep, vocab]` float32 logits, `-inf` off the kept ids."""
-        hidden = hidden.to(self.weight.device)
+        hidden = row_major(hidden.to(self.weight.device))  # a slice of the last positions: one product, no weight copy
         out = hidden.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=torch.float32)
         first = self.weight.shape[0]
         out[..., :first] = torch.nn.functional.linear(hidden, self.weight, self.bias)

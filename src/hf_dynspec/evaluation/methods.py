@@ -22,6 +22,10 @@ the method's config instead: `goodput@stepwise.draft_lookahead=0` drafts token b
 Any method that uses the draft model may end in `/<variant>` to run with a variant of the bench's draft instead
 (`fp32`, `bf16`, `8bit`, `4bit`, see `models.VARIANTS`): `dynspec-goodput/4bit` and `dynspec-goodput/fp32` compare a
 4-bit and a float32 draft in one run, on the same prompts.
+
+A `plain` or `hf-*` method may end in `+narrow`, `+rowmajor` or both (`hf-assisted+narrow+rowmajor`) to run with the
+kernels the speculative loop uses (`kernels.NarrowLinear`, `kernels.row_major_output`), so that a baseline is not
+slower for a reason that has nothing to do with speculation.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ POLICY_ALIASES = {"table": "batch_table"}
 
 NARROW = "narrow"
 """The `+narrow` method modifier."""
+ROW_MAJOR = "rowmajor"
+"""The `+rowmajor` method modifier."""
+MODIFIERS = (NARROW, ROW_MAJOR)
+"""What may follow a `plain` or `hf-*` method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels
+the speculative loop runs with, so that a baseline can have them too."""
 DEFAULT_LOOKUP_TOKENS = 10
 DEFAULT_TREE_NODES = 12
 DEFAULT_TRIE_NODES = 10
@@ -60,6 +69,8 @@ class Method:
     """A variant of the bench's draft to run with (`models.VARIANTS`), or None for the draft as loaded."""
     narrow: bool = False
     """`plain` and `hf-*` methods: run `generate` inside `kernels.NarrowLinear` (the `+narrow` suffix)."""
+    row_major: bool = False
+    """`plain` and `hf-*` methods: run `generate` inside `kernels.row_major_output` (the `+rowmajor` suffix)."""
 
     @property
     def batched(self) -> bool:
@@ -83,9 +94,9 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
     """The `Method` for `name` (see the module docstring for the accepted names)."""
     from .models import VARIANTS
 
-    stem, plus, modifier = name.strip().partition("+")
+    stem, plus, modifiers = name.strip().partition("+")
     if plus:
-        return _with_narrow(name.strip(), parse_method(stem, policy_options), modifier)
+        return _with_modifiers(name.strip(), parse_method(stem, policy_options), modifiers.split("+"))
     stem, slash, variant = name.strip().partition("/")
     if not slash:
         return _parse_stem(name, policy_options)
@@ -97,16 +108,20 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
     return dataclasses.replace(method, name=name.strip(), draft_variant=variant)
 
 
-def _with_narrow(name: str, method: Method, modifier: str) -> Method:
-    """`method` run inside `kernels.NarrowLinear` (`+narrow`)."""
-    if modifier != NARROW:
-        raise MethodError(f"In method {name!r} the only modifier after '+' is '{NARROW}'.")
+def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
+    """`method` run with the loop's kernels: inside `kernels.NarrowLinear` (`+narrow`), with its output layers fed
+    row-major inputs (`+rowmajor`, `kernels.row_major_output`)."""
+    unknown = [m for m in modifiers if m not in MODIFIERS]
+    if unknown:
+        raise MethodError(f"In method {name!r} the modifiers after '+' may only be {list(MODIFIERS)}; got {unknown}.")
     if method.kind == "dynspec":
         raise MethodError(
-            f"Method {name!r}: dynspec methods choose their kernel with the option narrow_linear "
-            f"(e.g. --policy-option goodput@stock.narrow_linear=off); drop '+{NARROW}'."
+            f"Method {name!r}: dynspec methods always feed output layers row-major inputs and choose narrow products "
+            f"with the option narrow_linear (e.g. --policy-option goodput@stock.narrow_linear=off); drop "
+            f"'+{'+'.join(modifiers)}'."
         )
-    return dataclasses.replace(method, name=name, narrow=True)
+    return dataclasses.replace(method, name=name, narrow=NARROW in modifiers or method.narrow,
+                               row_major=ROW_MAJOR in modifiers or method.row_major)
 
 
 def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> Method:

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from ..candidates.draft_model import draft_lookahead_tokens
-from ..kernels import narrow_linear, narrow_rows
+from ..kernels import narrow_linear, narrow_rows, row_major_output
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
 
@@ -260,7 +260,8 @@ class Runner:
         if self.do_sample:
             torch.manual_seed(self.seed)
         start, cpu_start = time.perf_counter(), time.process_time()
-        with torch.inference_mode(), narrow_linear(self._narrow_rows if method.narrow else 0):
+        models = ((self.target, self._draft(method)) if method.uses_draft else (self.target,)) if method.row_major else ()
+        with torch.inference_mode(), narrow_linear(self._narrow_rows if method.narrow else 0), row_major_output(*models):
             output = self._call(method, kwargs)
         outcome.seconds += time.perf_counter() - start
         outcome.cpu_seconds += time.process_time() - cpu_start
