@@ -66,7 +66,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         num_prompts=16,
         batch_sizes=[1],
         max_new_tokens=48,
-        methods="plain,hf-assisted,dynspec-goodput@marginal:16,dynspec-tree:32:24",
+        methods="plain,hf-assisted,hf-assisted+rowmajor,dynspec-goodput@marginal:16,dynspec-tree:32:24",
         policy_options={
             "goodput@marginal": {"early_stop": "marginal", "prefill_draft_confidence": 0.4},
             "tree": {"early_stop": "marginal", "prefill_draft_confidence": 0.4, "tree_branching": 3,
