@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -10,6 +13,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = 96
+
+EVALUATION = Path(__file__).resolve().parent.parent / "evaluation"
+
+
+def evaluation_script(name: str) -> ModuleType:
+    """The script `evaluation/<name>.py` imported as a module (the scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, EVALUATION / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),

@@ -3,23 +3,17 @@ which methods it gives the offload profile."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-
-SCRIPT = Path(__file__).resolve().parent.parent / "evaluation" / "offload_replay.py"
+from conftest import evaluation_script, tiny_model
 
 
 @pytest.fixture(scope="module")
 def replay():
-    spec = importlib.util.spec_from_file_location("offload_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return evaluation_script("offload_replay")
 
 
 def profile(path: Path, seconds: dict[int, float]) -> Path:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import tiny_model
-
-SCRIPT = Path(__file__).resolve().parent.parent / "evaluation" / "row_major_probe.py"
+from conftest import evaluation_script, tiny_model
 
 
 @pytest.fixture(scope="module")
 def probe_module():
-    spec = importlib.util.spec_from_file_location("row_major_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return evaluation_script("row_major_probe")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
