@@ -313,8 +313,9 @@ def test_scenario_presets_and_overrides():
     assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": tree}
     parsed = methods.parse_methods(settings.methods, settings.policy_options)
     assert [m.dynspec_config.prefill_draft_confidence for m in parsed if m.kind == "dynspec"] == [0.4, 0.4]
-    trees = [m.dynspec_config for m in parsed if m.name == "dynspec-tree:32:24"]
+    trees = [m.dynspec_config for m in parsed if m.name == "dynspec-tree:32:40"]
     assert [(c.tree_branching, c.tree_stop_judges, c.tree_node_budget) for c in trees] == [(3, "tree", 32)]
+    assert [c.num_speculative_tokens for c in trees] == [40]
 
 
 def test_command_line_errors(capsys):

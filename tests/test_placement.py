@@ -366,7 +366,7 @@ def parse(command: str, argv: list[str]):
 def test_bench_offload_scenario_and_per_model_options():
     settings = bench_command.settings_from_args(parse("bench", ["--scenario", "offload"]))
     assert settings.batch_sizes == [1] and settings.dtype == "auto"
-    assert settings.methods == "plain,hf-assisted,hf-assisted+rowmajor,dynspec-goodput@marginal:16,dynspec-tree:32:24"
+    assert settings.methods == "plain,hf-assisted,hf-assisted+rowmajor,dynspec-goodput@marginal:16,dynspec-tree:32:40"
     assert settings.target_max_memory == {"cpu": "35%"} and settings.target_offload_folder
     argv = ["--scenario", "offload", "--target-max-memory", "cpu=2GiB,0=8GiB", "--draft", "qwen2.5-coder-0.5b@4bit",
             "--target-dtype", "float32", "--draft-quantization", "8bit", "--draft-offload-folder", "/tmp/d"]

@@ -66,7 +66,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         num_prompts=16,
         batch_sizes=[1],
         max_new_tokens=48,
-        methods="plain,hf-assisted,hf-assisted+rowmajor,dynspec-goodput@marginal:16,dynspec-tree:32:24",
+        methods="plain,hf-assisted,hf-assisted+rowmajor,dynspec-goodput@marginal:16,dynspec-tree:32:40",
         policy_options={
             "goodput@marginal": {"early_stop": "marginal", "prefill_draft_confidence": 0.4},
             "tree": {"early_stop": "marginal", "prefill_draft_confidence": 0.4, "tree_branching": 3,
@@ -77,7 +77,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         # bfloat16, 2.2 GB in float32); accelerate reads the other layers from the offload folder in every forward,
         # so a target step is dominated by weight movement and each target forward saved is worth far more than a
         # draft forward: goodput may draft up to 16 tokens and ends each draft with the marginal stop; trees up to
-        # 24 deep with 32 nodes and 3 children per node, ended by the same stop judging the whole tree at each depth;
+        # 40 deep with 32 nodes and 3 children per node, ended by the same stop judging the whole tree at each depth;
         # the prefill's forward verifies the first drafts (a target forward fewer per call)
         target_max_memory={"cpu": "35%"},
         target_offload_folder=str(default_cache_dir() / "offload" / "target"),
