@@ -16,11 +16,12 @@ and the width of the draft's forwards). A run takes minutes instead of the scena
 stops can be compared before a real run confirms the best (see docs/benchmarks.md, "A replay of the offload scenario
 in memory").
 
-    python evaluation/offload_replay.py --methods hf-assisted,dynspec-tree@pd:32:24 \
-      --policy-option tree@pd.early_stop=marginal --policy-option tree@pd.prefill_draft_confidence=0.4 \
-      --out /tmp/replay.json
+    python evaluation/offload_replay.py --methods hf-assisted+rowmajor,dynspec-tree:32:40,dynspec-tree@b2:32:40 \
+      --policy-option tree@b2.tree_branching=2 --out /tmp/replay.json
 
-Every dynspec method gets `cost_model='profile'` with the offload profile unless its options set a cost model.
+Methods start from the offload scenario's policy options (`dynspec-tree` as the scenario runs it; a tagged method such
+as `dynspec-tree@b2` from none, as in the bench). Every dynspec method gets `cost_model='profile'` with the offload
+profile unless its options set a cost model.
 """
 
 from __future__ import annotations
@@ -96,6 +97,15 @@ class OffloadPricer:
             handle.remove()
 
 
+def scenario_options(items: list[str]) -> dict[str, dict]:
+    """The offload scenario's policy options (as `hf-dynspec bench --scenario offload` runs them) updated by the
+    command line's `POLICY.OPTION=VALUE` items, which win."""
+    options = {name: dict(values) for name, values in SCENARIOS["offload"]["policy_options"].items()}
+    for name, values in parse_policy_options(items).items():
+        options.setdefault(name, {}).update(values)
+    return options
+
+
 def with_profile(options: dict[str, dict], names: list[str], profile: Path) -> dict[str, dict]:
     """Policy options in which every dynspec policy prices steps with `profile`, unless it names a cost model."""
     options = {key: dict(value) for key, value in options.items()}
@@ -111,7 +121,7 @@ def with_profile(options: dict[str, dict], names: list[str], profile: Path) -> d
 def main() -> None:
     args = _arguments()
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    options = with_profile(parse_policy_options(args.policy_option), names, args.offload_profile)
+    options = with_profile(scenario_options(args.policy_option), names, args.offload_profile)
     methods = [parse_method(name, options) for name in names]  # no plain: methods are compared with the first
     check_policies(methods)
     fields = {f.name for f in dataclasses.fields(BenchSettings)}
@@ -138,8 +148,10 @@ def main() -> None:
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="hf-assisted,dynspec-tree@pd:32:24")
-    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY.OPTION=VALUE")
+    parser.add_argument("--methods", default="hf-assisted+rowmajor,dynspec-tree:32:40")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY.OPTION=VALUE",
+                        help="Options on top of the offload scenario's own (`dynspec-tree` and `dynspec-goodput@marginal` "
+                             "run as the scenario runs them unless overridden here).")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repetitions", type=int, default=3)
