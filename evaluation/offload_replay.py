@@ -97,15 +97,6 @@ class OffloadPricer:
             handle.remove()
 
 
-def scenario_options(items: list[str]) -> dict[str, dict]:
-    """The offload scenario's policy options (as `hf-dynspec bench --scenario offload` runs them) updated by the
-    command line's `POLICY.OPTION=VALUE` items, which win."""
-    options = {name: dict(values) for name, values in SCENARIOS["offload"]["policy_options"].items()}
-    for name, values in parse_policy_options(items).items():
-        options.setdefault(name, {}).update(values)
-    return options
-
-
 def with_profile(options: dict[str, dict], names: list[str], profile: Path) -> dict[str, dict]:
     """Policy options in which every dynspec policy prices steps with `profile`, unless it names a cost model."""
     options = {key: dict(value) for key, value in options.items()}
@@ -121,7 +112,8 @@ def with_profile(options: dict[str, dict], names: list[str], profile: Path) -> d
 def main() -> None:
     args = _arguments()
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    options = with_profile(scenario_options(args.policy_option), names, args.offload_profile)
+    scenario = SCENARIOS["offload"]["policy_options"]  # as `hf-dynspec bench --scenario offload` runs them
+    options = with_profile(parse_policy_options(args.policy_option, scenario), names, args.offload_profile)
     methods = [parse_method(name, options) for name in names]  # no plain: methods are compared with the first
     check_policies(methods)
     fields = {f.name for f in dataclasses.fields(BenchSettings)}

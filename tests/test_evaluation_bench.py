@@ -52,6 +52,11 @@ def test_policy_options_reach_the_config():
     )
     assert stopped.policy_options == {"early_stop": "marginal"} and plain_tree.policy_options == {}
     assert (stopped.policy, stopped.tree_node_budget, stopped.num_speculative_tokens) == ("goodput", 16, 8)
+    base = {"tree": {"early_stop": "marginal", "tree_branching": 3}, "goodput": {"window": 4}}
+    merged = methods.parse_policy_options(["tree.tree_branching=2", "tree@b.window=2"], base)
+    assert merged == {"tree": {"early_stop": "marginal", "tree_branching": 2}, "goodput": {"window": 4},
+                      "tree@b": {"window": 2}}  # the items win option by option; a tagged method gets only its own
+    assert base["tree"]["tree_branching"] == 3  # the base is copied, not changed
 
 
 def test_method_options_named_like_config_fields_set_the_config():

@@ -59,13 +59,3 @@ def test_goodput_methods_get_the_offload_profile(replay, tmp_path):
     assert options["tree"] == {"cost_model": "online"}  # a method that names its cost model keeps it
     assert "static" not in options and "hf-assisted" not in options
 
-
-def test_methods_start_from_the_offload_scenarios_options(replay):
-    from hf_dynspec.evaluation.bench import SCENARIOS
-
-    preset = SCENARIOS["offload"]["policy_options"]
-    options = replay.scenario_options(["tree.tree_branching=2", "tree@b.early_stop=marginal"])
-    assert options["tree"] == {**preset["tree"], "tree_branching": 2}  # the command line wins, the rest stays
-    assert options["goodput@marginal"] == preset["goodput@marginal"]
-    assert options["tree@b"] == {"early_stop": "marginal"}  # a tagged method gets only what it is given
-    assert preset["tree"]["tree_branching"] == 3  # the scenario's own options are not changed in place

@@ -135,9 +135,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         value = getattr(args, key)
         if value is not None:
             preset[key] = value
-    policy_options = {name: dict(options) for name, options in preset.pop("policy_options", {}).items()}
-    for name, options in parse_policy_options(args.policy_option).items():
-        policy_options.setdefault(name, {}).update(options)  # the command line wins over the preset
+    policy_options = parse_policy_options(args.policy_option, preset.pop("policy_options", {}))  # the command line wins
     if args.table is not None:
         policy_options["batch_table"] = table_policy_options(args.table, args.table_acceptance)
     return BenchSettings(

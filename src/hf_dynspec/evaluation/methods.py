@@ -212,12 +212,15 @@ def check_policies(methods: list[Method]) -> None:
             )
 
 
-def parse_policy_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
+def parse_policy_options(
+    items: list[str] | None, base: dict[str, dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
     """`["batch_table.table=t.json", "goodput@p.window=5"]` -> `{"batch_table": {"table": "t.json"}, "goodput@p": ...}`.
 
-    Values are read as JSON when they parse (numbers, booleans, lists), else kept as strings.
+    Values are read as JSON when they parse (numbers, booleans, lists), else kept as strings. `base` (e.g. a
+    scenario's options) is copied, never changed, and the items win over it option by option.
     """
-    options: dict[str, dict[str, Any]] = {}
+    options: dict[str, dict[str, Any]] = {name: dict(values) for name, values in (base or {}).items()}
     for item in items or []:
         key, equals, value = item.partition("=")
         policy, dot, option = key.partition(".")
