@@ -58,4 +58,3 @@ def test_goodput_methods_get_the_offload_profile(replay, tmp_path):
     assert options["tree@x"] == {"early_stop": "marginal", "cost_model": "profile", "profile": str(tmp_path / "p.json")}
     assert options["tree"] == {"cost_model": "online"}  # a method that names its cost model keeps it
     assert "static" not in options and "hf-assisted" not in options
-
