@@ -1,9 +1,15 @@
-"""Does drafting while the target verifies pay on this machine? Times one verify forward of the offload scenario's
-target alone, one draft forward alone, and the verify with draft forwards running in a second thread.
+"""Can the offload scenario's two cores do draft and target work at once? Times one verify forward of the offloaded
+target alone and one draft forward alone, then either
 
-    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 4
+- `--overlap draft`: the verify with draft forwards running in a second thread, or
+- `--overlap prepare`: accelerate's pre-forward work for the target's offloaded modules (reading each weight from the
+  offload folder and setting it on its module, what the module's hook would do when the verify reaches it) done in a
+  second thread while the draft runs, and the verify that then finds those modules ready.
 
-Prints medians in seconds (see docs/benchmarks.md, "Offload on transformers 5.24").
+    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft
+    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 3 --overlap prepare
+
+Prints seconds (see docs/benchmarks.md, "Offload on transformers 5.24" and "Where an offloaded step goes").
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import dataclasses
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -26,37 +33,88 @@ def main() -> None:
     parser.add_argument("--verify-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--overlap", choices=("draft", "prepare"), default="draft")
     args = parser.parse_args()
     fields = {f.name for f in dataclasses.fields(BenchSettings)}
     preset = {k: v for k, v in SCENARIOS["offload"].items() if k in fields}
     target, draft, _ = load_inputs(BenchSettings(**{**preset, "num_prompts": 1}))
     prompt = torch.randint(100, 20000, (1, args.context))
-
-    def stepper(model, width: int):
-        """One forward over `width` new tokens on a fixed context; the cache is cut back after each."""
-        cache, key = DynamicCache(config=model.config), cache_kwarg(model.forward)
-        model(input_ids=prompt, **{key: cache})
-
-        def step() -> None:
-            model(input_ids=torch.randint(100, 20000, (1, width)), **{key: cache})
-            cache.crop(-width)
-
-        return step
-
     with torch.inference_mode():
-        verify, draft_step = stepper(target, args.verify_tokens), stepper(draft, 1)
+        verify = _stepper(target, prompt, args.verify_tokens)
+        draft_step = _stepper(draft, prompt, 1)
         verify(), draft_step()  # warm-up
         alone = statistics.median(_seconds(verify) for _ in range(args.repeats))
         draft_alone = statistics.median(_seconds(draft_step) for _ in range(2 * args.repeats))
         print(f"verify over {args.verify_tokens} tokens alone: {alone:.3f} s; a draft forward alone: {draft_alone:.3f} s")
-        for _ in range(args.repeats):
-            stop, count = threading.Event(), [0]
-            worker = threading.Thread(target=_draft_until, args=(draft_step, stop, count))
-            worker.start()
-            seconds = _seconds(verify)
-            stop.set()
-            worker.join()
-            print(f"verify beside drafting: {seconds:.3f} s, {count[0]} draft forwards in that time")
+        if args.overlap == "draft":
+            _draft_beside_verify(verify, draft_step, args.repeats)
+        else:
+            _prepare_beside_draft(target, verify, draft_step, args.repeats)
+
+
+def _stepper(model, prompt: torch.Tensor, width: int) -> Callable[[], None]:
+    """One forward over `width` new tokens on a fixed context; the cache is cut back after each."""
+    cache, key = DynamicCache(config=model.config), cache_kwarg(model.forward)
+    model(input_ids=prompt, **{key: cache})
+
+    def step() -> None:
+        model(input_ids=torch.randint(100, 20000, (1, width)), **{key: cache})
+        cache.crop(-width)
+
+    return step
+
+
+def _draft_beside_verify(verify, draft_step, repeats: int) -> None:
+    for _ in range(repeats):
+        stop, count = threading.Event(), [0]
+        worker = threading.Thread(target=_draft_until, args=(draft_step, stop, count))
+        worker.start()
+        seconds = _seconds(verify)
+        stop.set()
+        worker.join()
+        print(f"verify beside drafting: {seconds:.3f} s, {count[0]} draft forwards in that time")
+
+
+def _prepare_beside_draft(target, verify, draft_step, repeats: int) -> None:
+    prepare = _offloaded_preparer(target)
+    print(f"preparing every offloaded module alone: {_seconds(prepare):.3f} s; the verify then: {_seconds(verify):.3f} s")
+    ready = [_seconds(lambda: (prepare(), verify())[1]) for _ in range(repeats)]  # noqa: B023
+    for _ in range(repeats):
+        worker = threading.Thread(target=prepare)
+        start, count = time.perf_counter(), 0
+        worker.start()
+        while worker.is_alive():
+            draft_step()
+            count += 1
+        seconds = time.perf_counter() - start
+        print(f"preparing beside drafting: {seconds:.3f} s, {count} draft forwards in that time; "
+              f"the verify then: {_seconds(verify):.3f} s")
+    print(f"(preparing then verifying, one after the other: {statistics.median(ready):.3f} s)")
+
+
+def _offloaded_preparer(target) -> Callable[[], None]:
+    """A function that does the pre-forward work of every offloaded module of `target` ahead of its forward; the
+    module's hook then skips it once (its post-forward still puts the weights back to the meta device)."""
+    modules = [m for m in target.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    prepared: set[int] = set()
+    for module in modules:
+        hook = module._hf_hook
+
+        def pre_forward(mod, *args, _hook=hook, **kwargs):
+            if id(mod) in prepared:
+                prepared.discard(id(mod))
+                return args, kwargs
+            return type(_hook).pre_forward(_hook, mod, *args, **kwargs)
+
+        hook.pre_forward = pre_forward
+
+    def prepare() -> None:
+        for module in modules:
+            type(module._hf_hook).pre_forward(module._hf_hook, module)
+            prepared.add(id(module))
+
+    print(f"{len(modules)} offloaded modules")
+    return prepare
 
 
 def _draft_until(draft_step, stop: threading.Event, count: list[int]) -> None:
