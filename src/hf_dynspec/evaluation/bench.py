@@ -76,10 +76,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         # the default target keeps 35% of its weights in memory (embeddings and the first layers: 1.1 GB in
         # bfloat16, 2.2 GB in float32); accelerate reads the other layers from the offload folder in every forward,
         # so a target step is dominated by reading weights (docs/benchmarks.md, "Where an offloaded step goes") and
-        # each target forward saved is worth far more than a
-        # draft forward: goodput may draft up to 16 tokens and ends each draft with the marginal stop; trees up to
-        # 40 deep with 32 nodes and 3 children per node, ended by the same stop judging the whole tree at each depth;
-        # the prefill's forward verifies the first drafts (a target forward fewer per call)
+        # each target forward saved is worth far more than a draft forward: goodput may draft up to 16 tokens and
+        # ends each draft with the marginal stop; trees up to 40 deep with 32 nodes and 3 children per node, ended by
+        # the same stop judging the whole tree at each depth; the prefill's forward verifies the first drafts (a
+        # target forward fewer per call)
         target_max_memory={"cpu": "35%"},
         target_offload_folder=str(default_cache_dir() / "offload" / "target"),
     ),
