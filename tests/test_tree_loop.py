@@ -3,6 +3,8 @@ sampled output must follow the target's distribution."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import left_padded_prompts, perturbed, tiny_model
@@ -53,12 +55,14 @@ def speculative(model, ids, mask, config: DynSpecConfig, draft=None, **kwargs):
     budget=st.integers(1, 12),
     branching=st.integers(1, 4),
     seed=st.integers(0, 1000),
+    floor=st.sampled_from([0.0, 0.0, 0.01, 0.1]),
 )
-def test_draft_tree_matches_plain_greedy(pair, batch_size, depth, budget, branching, seed):
+def test_draft_tree_matches_plain_greedy(pair, batch_size, depth, budget, branching, seed, floor):
     target, draft = pair
     ids, mask = left_padded_prompts([3 + (seed + 7 * row) % 12 for row in range(batch_size)], seed=seed)
     expected = plain(target, ids, mask, max_new_tokens=20)
-    config = DynSpecConfig(policy="static", num_speculative_tokens=depth, tree_node_budget=budget, tree_branching=branching)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=depth, tree_node_budget=budget, tree_branching=branching,
+                           tree_min_node_probability=floor)
     out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=20)
     assert torch.equal(out.sequences, expected)
     steps = [s for s in out.dynspec_stats.steps if max(s.draft_lengths) > 0]
@@ -171,6 +175,43 @@ def test_tree_judge_shows_the_stop_every_proposable_sibling(pair, branching):
         ])  # [branching, vocab]
     reached = (top.values.unsqueeze(1) * below.topk(branching).values).sum()
     assert policy.seen[1] == ([1], [pytest.approx(float(reached / top.values.sum()), rel=1e-3)])
+
+
+def test_node_floor_drops_unlikely_nodes(pair, monkeypatch):
+    """With `tree_min_node_probability`, a greedy tree proposes exactly the budget's most valuable nodes whose draft
+    path probability reaches the floor (always at least the best one), fewer than without it; output stays plain's."""
+    target, draft = pair
+    ids, mask = left_padded_prompts([5, 9, 12, 7], seed=3)
+    expected = plain(target, ids, mask, max_new_tokens=24)
+    select, seen = DraftTreeProposer._select, []
+
+    def recording(self, candidates, budgets, fed_columns, q_store, batch):
+        proposal = select(self, candidates, budgets, fed_columns, q_store, batch)
+        values = candidates.values.sort(dim=1, descending=True).values  # [batch, created]
+        ranks = torch.arange(values.shape[1]).expand_as(values)
+        top = torch.isfinite(values) & (ranks < budgets.unsqueeze(1))
+        seen.append((top, values, proposal.lengths.clone(), self.config.tree_min_node_probability))
+        return proposal
+
+    monkeypatch.setattr(DraftTreeProposer, "_select", recording)
+    nodes = {}
+    for floor in (0.0, 0.05):
+        config = DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=12, tree_branching=3,
+                               tree_min_node_probability=floor)
+        out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=24)
+        assert torch.equal(out.sequences, expected)
+        nodes[floor] = sum(sum(s.draft_lengths) for s in out.dynspec_stats.steps)
+    for top, values, lengths, floor in seen:
+        kept = top & ((values >= math.log(floor)) | (torch.arange(values.shape[1]) == 0)) if floor else top
+        assert torch.equal(lengths, kept.sum(dim=1))
+    assert any(floor and bool((lengths < top.sum(dim=1)).any()) for top, _, lengths, floor in seen), "nothing dropped"
+    assert nodes[0.05] < nodes[0.0]
+
+
+def test_node_floor_is_validated():
+    for floor in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ValueError, match="`tree_min_node_probability` must be a number in \\[0, 1\\)"):
+            DynSpecConfig(tree_min_node_probability=floor)
 
 
 def test_tree_judge_is_validated():

@@ -72,6 +72,13 @@ class DynSpecConfig:
                   "its best chain); 'tree': the draft's probability that the path reaches the depth's nodes given "
                   "it reached the previous depth's (siblings count)."},
     )
+    tree_min_node_probability: float = field(
+        default=0.0,
+        metadata={"help": "Draft-model trees in greedy decoding: a node is proposed only if the draft's probability of "
+                  "its whole path is at least this (each row keeps its most valuable node). Such nodes are rarely "
+                  "the target's choice, and every proposed node widens the verify forward. 0 keeps the node budget's "
+                  "most valuable nodes whatever their probability."},
+    )
     prompt_lookup_max_ngram: int = field(
         default=3,
         metadata={"help": "Longest n-gram the prompt-lookup proposer tries to match (it falls back to shorter ones)."},
@@ -154,6 +161,11 @@ class DynSpecConfig:
             raise ValueError(
                 f"`draft_lookahead_max_cost` must be a number >= 1 (a multiple of a one-token draft forward) or None "
                 f"(no limit), got {cost!r}."
+            )
+        floor = self.tree_min_node_probability
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor < 1.0:
+            raise ValueError(
+                f"`tree_min_node_probability` must be a number in [0, 1) (a draft path probability), got {floor!r}."
             )
         confidence = self.prefill_draft_confidence
         if confidence is not None and (

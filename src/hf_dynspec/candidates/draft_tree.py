@@ -25,6 +25,7 @@ chain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -356,7 +357,8 @@ class DraftTreeProposer(DraftModelProposer):
         q_store: torch.Tensor | None,  # [batch, stored, vocab] when sampling
         batch: TokenBatch,
     ) -> Proposal:
-        """Keep `budgets[b]` candidates of each row as its tree, nodes in creation order (parents first)."""
+        """Keep `budgets[b]` candidates of each row as its tree, nodes in creation order (parents first); in greedy
+        decoding, without those whose path probability is below `DynSpecConfig.tree_min_node_probability`."""
         created = torch.isfinite(candidates.values)  # [batch, created]
         if self.do_sample:  # the first ones created: never depends on a node's own token
             rank = created.long().cumsum(dim=1) - 1
@@ -366,6 +368,9 @@ class DraftTreeProposer(DraftModelProposer):
             rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
                                                     .expand_as(order).contiguous())
         chosen = created & (rank < budgets.unsqueeze(1))  # [batch, created]
+        floor = self.config.tree_min_node_probability
+        if floor > 0 and not self.do_sample:  # a child is never worth more than its parent: what is kept is a tree
+            chosen &= (candidates.values >= math.log(floor)) | (rank == 0)
         node_of = torch.where(chosen, chosen.long().cumsum(dim=1), -1)  # [batch, created] tree node, -1 if dropped
         width = int(chosen.sum(dim=1).max())
         slot = torch.where(chosen, node_of - 1, width)  # dropped candidates land in an extra slot, cut below
