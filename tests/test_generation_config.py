@@ -21,6 +21,7 @@ NON_DEFAULT = {
     "tree_node_budget": 6,
     "tree_branching": 3,
     "tree_stop_judges": "tree",
+    "tree_min_node_probability": 0.05,
     "prompt_lookup_max_ngram": 5,
     "prompt_lookup_min_ngram": 2,
     "prompt_lookup_max_tokens": 6,
