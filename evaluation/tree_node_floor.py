@@ -2,7 +2,9 @@
 
 Runs a tree method with the target in memory on the offload scenario's prompts (greedy output does not depend on
 where the weights live), records every tree it proposes and marks the nodes the target's output then took. It prints
-the share of nodes taken per probability bin, leaves and inner nodes apart, and for each floor the tokens the same
+the share of nodes taken per probability bin, leaves and inner nodes apart; the same per bin of a node's probability
+given its parent, for the draft's first, second and later choices apart (how calibrated the draft is); and for each
+floor the tokens the same
 trees would have accepted without their nodes below it (`DynSpecConfig.tree_min_node_probability`) and the seconds
 per token, each verify priced from the offload profile by its width and each draft forward at `--draft-seconds`.
 It is hindsight: later steps stay as they were, so a floor that loses tokens looks a little better than it would run.
@@ -32,6 +34,10 @@ from offload_replay import PROFILES, batch1_forwards, with_profile  # noqa: E402
 
 BINS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.7, 0.9, 1.0)
 """Edges of the path-probability bins of the calibration table."""
+CHILD_BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+"""Edges of the bins of a node's draft probability given its parent, in the table by sibling rank."""
+RANKS = 3
+"""Sibling ranks told apart in that table; the last one gathers every rank from it on."""
 PREFILL_SECONDS = 0.85
 """An offloaded prefill of a scenario prompt without drafts (`docs/benchmarks.md`, row-major probe)."""
 
@@ -85,6 +91,42 @@ def calibration(runs: list[dict]) -> dict[str, list[dict]]:
     }
 
 
+def child_outcomes(tree: dict, output: list[int]) -> list[tuple[float, int, bool]]:
+    """Per node of a recorded `tree` whose parent the target's `output` took (the root counts as taken): (the draft's
+    probability of the node given its parent, its rank among its proposed siblings from 0 = the draft's first choice,
+    taken). A tree keeps its most valuable candidates, so a kept node's better siblings are kept too and the rank among
+    proposed siblings is the draft's rank."""
+    start, paths = tree["generated"], [tuple(p) for p in tree["paths"]]
+    values = dict(zip(paths, tree["values"]))
+    outcomes = []
+    for path, value in values.items():
+        parent = path[:-1]
+        if list(parent) != output[start : start + len(parent)]:
+            continue
+        rank = sum(other > value for sibling, other in values.items() if sibling[:-1] == parent)
+        taken = list(path) == output[start : start + len(path)]
+        outcomes.append((math.exp(value - values.get(parent, 0.0)), rank, taken))
+    return outcomes
+
+
+def rank_calibration(runs: list[dict]) -> dict[str, list[dict]]:
+    """Nodes whose parent the target took, and the share of them it took, per bin of the draft's probability given
+    the parent, for the draft's first, second and later choices apart. A calibrated draft takes about the middle of
+    each bin."""
+    counts = np.zeros((RANKS, len(CHILD_BINS) - 1, 2))
+    for run in runs:
+        for tree in run["trees"]:
+            for probability, rank, taken in child_outcomes(tree, run["output"]):
+                column = min(int(np.searchsorted(CHILD_BINS, probability, side="right")) - 1, len(CHILD_BINS) - 2)
+                counts[min(rank, RANKS - 1), column] += (1, taken)
+    names = [f"choice {r + 1}" for r in range(RANKS - 1)] + [f"choice {RANKS}+"]
+    return {
+        name: [{"low": CHILD_BINS[i], "high": CHILD_BINS[i + 1], "nodes": int(n), "taken": t / n}
+               for i, (n, t) in enumerate(table) if n]
+        for name, table in zip(names, counts)
+    }
+
+
 def with_floor(runs: list[dict], floor: float, verify, draft_seconds: float) -> dict[str, float]:
     """Tokens, mean proposed nodes and priced seconds per token if every tree had dropped its nodes below `floor`
     (keeping its best one). `verify(n)`: seconds of a target forward over `n` new tokens; a prefill that verifies the
@@ -134,16 +176,19 @@ def main() -> None:
     def verify(n: int) -> float:
         return float(np.interp(max(n, 2), tokens, seconds))
 
-    table = calibration(runs)
+    table, by_rank = calibration(runs), rank_calibration(runs)
     floors = [with_floor(runs, float(f), verify, args.draft_seconds) for f in args.floors.split(",")]
     for kind, rows in table.items():
         print(kind + ":", ", ".join(f"[{r['low']}, {r['high']}) {r['nodes']} nodes {r['taken']:.3f} taken" for r in rows))
+    for name, rows in by_rank.items():
+        print(f"{name}, given the parent:",
+              ", ".join(f"[{r['low']}, {r['high']}) {r['nodes']} nodes {r['taken']:.3f} taken" for r in rows))
     for row in floors:
         print(f"floor {row['floor']}: {row['tokens']} tokens, {row['mean_nodes']:.1f} nodes per tree, "
               f"{row['ms_per_token']:.1f} ms per token")
     if args.out:
         args.out.write_text(json.dumps({"method": args.method, "dataset": args.dataset, "calibration": table,
-                                        "floors": floors}, indent=1))
+                                        "by_rank": by_rank, "floors": floors}, indent=1))
 
 
 def _arguments() -> argparse.Namespace:
