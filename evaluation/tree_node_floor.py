@@ -4,9 +4,9 @@ Runs a tree method with the target in memory on the offload scenario's prompts (
 where the weights live), records every tree it proposes and marks the nodes the target's output then took. It prints
 the share of nodes taken per probability bin, leaves and inner nodes apart; the same per bin of a node's probability
 given its parent, for the draft's first, second and later choices apart (how calibrated the draft is); and for each
-floor the tokens the same
-trees would have accepted without their nodes below it (`DynSpecConfig.tree_min_node_probability`) and the seconds
-per token, each verify priced from the offload profile by its width and each draft forward at `--draft-seconds`.
+floor the tokens the same trees would have accepted without their nodes below it
+(`DynSpecConfig.tree_min_node_probability`) and the seconds per token, each verify priced from the offload profile by
+its width and each draft forward at `--draft-seconds`.
 It is hindsight: later steps stay as they were, so a floor that loses tokens looks a little better than it would run.
 
     python evaluation/tree_node_floor.py --dataset sharegpt --floors 0,0.01,0.02,0.05 --out /tmp/floor.json
@@ -178,11 +178,8 @@ def main() -> None:
 
     table, by_rank = calibration(runs), rank_calibration(runs)
     floors = [with_floor(runs, float(f), verify, args.draft_seconds) for f in args.floors.split(",")]
-    for kind, rows in table.items():
-        print(kind + ":", ", ".join(f"[{r['low']}, {r['high']}) {r['nodes']} nodes {r['taken']:.3f} taken" for r in rows))
-    for name, rows in by_rank.items():
-        print(f"{name}, given the parent:",
-              ", ".join(f"[{r['low']}, {r['high']}) {r['nodes']} nodes {r['taken']:.3f} taken" for r in rows))
+    for name, rows in [*table.items(), *((f"{k}, given the parent", v) for k, v in by_rank.items())]:
+        print(name + ":", ", ".join(f"[{r['low']}, {r['high']}) {r['nodes']} nodes {r['taken']:.3f} taken" for r in rows))
     for row in floors:
         print(f"floor {row['floor']}: {row['tokens']} tokens, {row['mean_nodes']:.1f} nodes per tree, "
               f"{row['ms_per_token']:.1f} ms per token")
