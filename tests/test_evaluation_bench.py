@@ -200,6 +200,13 @@ def test_runner_counts_forwards_and_matches_plain(pair):
     assert plain.mean_accepted(methods.parse_method("plain")) is None
     assert spec.draft_forwards > 0 and sum(spec.accepted.values()) > 0 and spec.steps
     assert assisted.target_forwards >= 3  # rows ran one at a time
+    # the lookahead width the process measured for the draft; none where the loop drove no draft
+    assert plain.draft_lookahead is None and assisted.draft_lookahead is None
+    assert 0 <= spec.draft_lookahead <= static.dynspec_config.draft_lookahead
+    merged = runner.Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
+    for width in (None, 4, 2):
+        merged.extend(runner.Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0, draft_lookahead=width))
+    assert merged.draft_lookahead == 4
 
 
 def test_runner_refuses_draft_methods_without_a_draft(pair):
@@ -252,6 +259,7 @@ def test_tiny_benchmark_end_to_end(pair, tmp_path):
         assert len(run["wall_s_repetitions"]) == 2 and run["tokens_per_s"] > 0
         assert run["speedup_repetitions"] is None if name == "plain" else len(run["speedup_repetitions"]) == 2
     assert runs[("hf-assisted", 4)]["rows_one_at_a_time"] and not runs[("hf-assisted", 1)]["rows_one_at_a_time"]
+    assert runs[("plain", 1)]["draft_lookahead"] is None and isinstance(runs[("dynspec-goodput", 1)]["draft_lookahead"], int)
     assert {(t["method"], t["batch_size"]) for t in results["traces"]} == {
         ("dynspec-static:3", 1), ("dynspec-static:3", 4), ("dynspec-goodput", 1), ("dynspec-goodput", 4)
     }

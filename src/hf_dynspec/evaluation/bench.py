@@ -391,6 +391,7 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
         "mean_accepted": outcome.mean_accepted(method),
         "target_forwards": outcome.target_forwards,
         "draft_forwards": outcome.draft_forwards,
+        "draft_lookahead": outcome.draft_lookahead,
         "matches_plain": None if method.name == "plain" else entry.mismatched_prompts == 0,
         "near_ties": entry.equivalence["near_tie"] if entry.equivalence else None,
         "mismatches": entry.equivalence["mismatch"] if entry.equivalence else None,

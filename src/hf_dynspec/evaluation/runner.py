@@ -60,6 +60,9 @@ class Outcome:
     """Per prompt, plain greedy decoding's top two tokens and their margin at each position (greedy `plain` only)."""
     times: dict[str, float] = field(default_factory=dict)
     """The loop's time totals by `TIME_FIELDS` name, plus `total_seconds` (dynspec methods)."""
+    draft_lookahead: int | None = None
+    """The most lookahead guess tokens a draft forward could carry (`DynSpecStats.draft_lookahead`, timed once per
+    process, so it may differ between runs); None where no draft model drafted in the loop."""
 
     @property
     def new_tokens(self) -> int:
@@ -77,6 +80,11 @@ class Outcome:
         self.margins.extend(other.margins)
         for name, seconds in other.times.items():
             self.times[name] = self.times.get(name, 0.0) + seconds
+        self._widen_lookahead(other.draft_lookahead)
+
+    def _widen_lookahead(self, lookahead: int | None) -> None:
+        if lookahead is not None:
+            self.draft_lookahead = max(self.draft_lookahead or 0, lookahead)
 
     def mean_accepted(self, method: Method) -> float | None:
         """Mean accepted draft tokens per verification.
@@ -319,6 +327,7 @@ class Runner:
         parts["overhead_seconds"] = stats.total_seconds - sum(parts.values()) if overhead is None else overhead
         for name, seconds in {**parts, "total_seconds": stats.total_seconds}.items():
             outcome.times[name] = outcome.times.get(name, 0.0) + seconds
+        outcome._widen_lookahead(getattr(stats, "draft_lookahead", None))
         for step in stats.steps:
             outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
             depths = getattr(step, "draft_depths", None)
