@@ -80,9 +80,10 @@ class Outcome:
         self.margins.extend(other.margins)
         for name, seconds in other.times.items():
             self.times[name] = self.times.get(name, 0.0) + seconds
-        self._widen_lookahead(other.draft_lookahead)
+        self.record_lookahead(other.draft_lookahead)
 
-    def _widen_lookahead(self, lookahead: int | None) -> None:
+    def record_lookahead(self, lookahead: int | None) -> None:
+        """Keep the widest lookahead seen (`None`: this call drove no draft model)."""
         if lookahead is not None:
             self.draft_lookahead = max(self.draft_lookahead or 0, lookahead)
 
@@ -327,7 +328,7 @@ class Runner:
         parts["overhead_seconds"] = stats.total_seconds - sum(parts.values()) if overhead is None else overhead
         for name, seconds in {**parts, "total_seconds": stats.total_seconds}.items():
             outcome.times[name] = outcome.times.get(name, 0.0) + seconds
-        outcome._widen_lookahead(getattr(stats, "draft_lookahead", None))
+        outcome.record_lookahead(getattr(stats, "draft_lookahead", None))
         for step in stats.steps:
             outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
             depths = getattr(step, "draft_depths", None)
