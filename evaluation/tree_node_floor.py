@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -76,19 +77,26 @@ def node_outcomes(tree: dict, output: list[int]) -> list[tuple[float, int, bool,
     ]
 
 
+def taken_shares(outcomes: Iterable[tuple[str, float, bool]], groups: list[str], edges: tuple[float, ...]) -> dict:
+    """Per group, per probability bin of `edges` (the top edge included in the last bin): the nodes and the share the
+    target took, from `(group, probability, taken)` outcomes. Empty bins are left out."""
+    counts = {group: np.zeros((len(edges) - 1, 2)) for group in groups}
+    for group, probability, taken in outcomes:
+        column = min(int(np.searchsorted(edges, probability, side="right")) - 1, len(edges) - 2)
+        counts[group][column] += (1, taken)
+    return {
+        group: [{"low": edges[i], "high": edges[i + 1], "nodes": int(n), "taken": t / n}
+                for i, (n, t) in enumerate(table) if n]
+        for group, table in counts.items()
+    }
+
+
 def calibration(runs: list[dict]) -> dict[str, list[dict]]:
     """Nodes and the share the target took, per path-probability bin, for leaves and inner nodes."""
-    counts = {kind: np.zeros((len(BINS) - 1, 2)) for kind in ("leaf", "inner")}
-    for run in runs:
-        for tree in run["trees"]:
-            for probability, _, taken, leaf in node_outcomes(tree, run["output"]):
-                row = min(int(np.searchsorted(BINS, probability, side="right")) - 1, len(BINS) - 2)
-                counts["leaf" if leaf else "inner"][row] += (1, taken)
-    return {
-        kind: [{"low": BINS[i], "high": BINS[i + 1], "nodes": int(n), "taken": t / n}
-               for i, (n, t) in enumerate(table) if n]
-        for kind, table in counts.items()
-    }
+    outcomes = (("leaf" if leaf else "inner", probability, taken)
+                for run in runs for tree in run["trees"]
+                for probability, _, taken, leaf in node_outcomes(tree, run["output"]))
+    return taken_shares(outcomes, ["leaf", "inner"], BINS)
 
 
 def child_outcomes(tree: dict, output: list[int]) -> list[tuple[float, int, bool]]:
@@ -113,18 +121,11 @@ def rank_calibration(runs: list[dict]) -> dict[str, list[dict]]:
     """Nodes whose parent the target took, and the share of them it took, per bin of the draft's probability given
     the parent, for the draft's first, second and later choices apart. A calibrated draft takes about the middle of
     each bin."""
-    counts = np.zeros((RANKS, len(CHILD_BINS) - 1, 2))
-    for run in runs:
-        for tree in run["trees"]:
-            for probability, rank, taken in child_outcomes(tree, run["output"]):
-                column = min(int(np.searchsorted(CHILD_BINS, probability, side="right")) - 1, len(CHILD_BINS) - 2)
-                counts[min(rank, RANKS - 1), column] += (1, taken)
     names = [f"choice {r + 1}" for r in range(RANKS - 1)] + [f"choice {RANKS}+"]
-    return {
-        name: [{"low": CHILD_BINS[i], "high": CHILD_BINS[i + 1], "nodes": int(n), "taken": t / n}
-               for i, (n, t) in enumerate(table) if n]
-        for name, table in zip(names, counts)
-    }
+    outcomes = ((names[min(rank, RANKS - 1)], probability, taken)
+                for run in runs for tree in run["trees"]
+                for probability, rank, taken in child_outcomes(tree, run["output"]))
+    return taken_shares(outcomes, names, CHILD_BINS)
 
 
 def with_floor(runs: list[dict], floor: float, verify, draft_seconds: float) -> dict[str, float]:
