@@ -259,7 +259,10 @@ def test_tiny_benchmark_end_to_end(pair, tmp_path):
         assert len(run["wall_s_repetitions"]) == 2 and run["tokens_per_s"] > 0
         assert run["speedup_repetitions"] is None if name == "plain" else len(run["speedup_repetitions"]) == 2
     assert runs[("hf-assisted", 4)]["rows_one_at_a_time"] and not runs[("hf-assisted", 1)]["rows_one_at_a_time"]
-    assert runs[("plain", 1)]["draft_lookahead"] is None and isinstance(runs[("dynspec-goodput", 1)]["draft_lookahead"], int)
+    assert runs[("plain", 1)]["draft_lookahead"] is None and isinstance(runs[("dynspec-static:3", 1)]["draft_lookahead"], int)
+    for size in (1, 4):  # an adaptive policy may draft nothing on a call (tiny models, noisy costs): then None
+        goodput = runs[("dynspec-goodput", size)]
+        assert isinstance(goodput["draft_lookahead"], int) is (goodput["draft_forwards"] > 0)
     assert {(t["method"], t["batch_size"]) for t in results["traces"]} == {
         ("dynspec-static:3", 1), ("dynspec-static:3", 4), ("dynspec-goodput", 1), ("dynspec-goodput", 4)
     }
