@@ -8,6 +8,7 @@ target alone and one draft forward alone, then either
 
     python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft
     python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 3 --overlap prepare
+    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft --draft-threads 1
 
 Prints seconds (see docs/benchmarks.md, "Offload on transformers 5.24" and "Where an offloaded step goes").
 """
@@ -34,6 +35,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--overlap", choices=("draft", "prepare"), default="draft")
+    parser.add_argument("--draft-threads", type=int, default=None,
+                        help="With --overlap draft: intra-op threads of the drafting thread (default: PyTorch's).")
     args = parser.parse_args()
     fields = {f.name for f in dataclasses.fields(BenchSettings)}
     preset = {k: v for k, v in SCENARIOS["offload"].items() if k in fields}
@@ -47,7 +50,7 @@ def main() -> None:
         draft_alone = statistics.median(_seconds(draft_step) for _ in range(2 * args.repeats))
         print(f"verify over {args.verify_tokens} tokens alone: {alone:.3f} s; a draft forward alone: {draft_alone:.3f} s")
         if args.overlap == "draft":
-            _draft_beside_verify(verify, draft_step, args.repeats)
+            _draft_beside_verify(verify, draft_step, args.repeats, args.draft_threads)
         else:
             _prepare_beside_draft(target, verify, draft_step, args.repeats)
 
@@ -64,10 +67,16 @@ def _stepper(model, prompt: torch.Tensor, width: int) -> Callable[[], None]:
     return step
 
 
-def _draft_beside_verify(verify, draft_step, repeats: int) -> None:
+def _draft_beside_verify(verify, draft_step, repeats: int, threads: int | None) -> None:
+    if threads is not None:
+        alone = [0.0]
+        worker = threading.Thread(target=_draft_alone, args=(draft_step, threads, 2 * repeats, alone))
+        worker.start()
+        worker.join()
+        print(f"a draft forward alone on {threads} thread(s): {alone[0]:.3f} s")
     for _ in range(repeats):
         stop, count = threading.Event(), [0]
-        worker = threading.Thread(target=_draft_until, args=(draft_step, stop, count))
+        worker = threading.Thread(target=_draft_until, args=(draft_step, stop, count, threads))
         worker.start()
         seconds = _seconds(verify)
         stop.set()
@@ -122,8 +131,19 @@ def _offloaded_preparer(target) -> Callable[[], None]:
     return prepare
 
 
-def _draft_until(draft_step, stop: threading.Event, count: list[int]) -> None:
-    """Draft forwards, counted in `count[0]`, until `stop` is set (run in a second thread)."""
+def _draft_alone(draft_step, threads: int, repeats: int, seconds: list[float]) -> None:
+    """The median seconds of a draft forward on `threads` intra-op threads, into `seconds[0]` (run in a thread of its
+    own: the thread count is the calling thread's)."""
+    torch.set_num_threads(threads)
+    with torch.inference_mode():
+        seconds[0] = statistics.median(_seconds(draft_step) for _ in range(repeats))
+
+
+def _draft_until(draft_step, stop: threading.Event, count: list[int], threads: int | None = None) -> None:
+    """Draft forwards, counted in `count[0]`, until `stop` is set (run in a second thread, on `threads` intra-op
+    threads if given: PyTorch's thread count is per calling thread)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     with torch.inference_mode():
         while not stop.is_set():
             draft_step()
