@@ -29,7 +29,7 @@ from hf_dynspec.cache import cache_kwarg
 from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verify-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=150)
@@ -37,7 +37,15 @@ def main() -> None:
     parser.add_argument("--overlap", choices=("draft", "prepare"), default="draft")
     parser.add_argument("--draft-threads", type=int, default=None,
                         help="With --overlap draft: intra-op threads of the drafting thread (default: PyTorch's).")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.draft_threads is not None and (args.draft_threads < 1 or args.overlap != "draft"):
+        parser.error(f"--draft-threads {args.draft_threads}: give a thread count >= 1, with --overlap draft "
+                     "(the prepare overlap drafts on the main thread)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     fields = {f.name for f in dataclasses.fields(BenchSettings)}
     preset = {k: v for k, v in SCENARIOS["offload"].items() if k in fields}
     target, draft, _ = load_inputs(BenchSettings(**{**preset, "num_prompts": 1}))

@@ -40,3 +40,13 @@ def test_prepared_forward_matches_and_puts_weights_back(offloaded):
         assert all(w.device.type == "meta" for w in offloaded_weights(offloaded))  # the post-forward still ran
         again = offloaded(input_ids=ids).logits  # not prepared: the hooks read the weights themselves
     assert torch.equal(prepared, reference) and torch.equal(again, reference)
+
+
+@pytest.mark.parametrize("argv", [["--draft-threads", "0"], ["--overlap", "prepare", "--draft-threads", "1"]])
+def test_draft_threads_must_be_positive_and_for_the_draft_overlap(argv, capsys):
+    probe = evaluation_script("draft_during_verify")
+    with pytest.raises(SystemExit):
+        probe.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "give a thread count >= 1, with --overlap draft" in err
+    assert probe.parse_args(["--draft-threads", "1"]).draft_threads == 1
