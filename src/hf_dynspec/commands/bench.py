@@ -98,7 +98,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              + ", ".join("@" + v for v in VARIANTS) + f" (e.g. {DEFAULT_DRAFT}@8bit).")
     parser.add_argument("--dataset",
                         help="humaneval, sharegpt, codeedit (ShareGPT code-edit requests), mixed or a .jsonl path.")
-    parser.add_argument("--num-prompts", type=int, help="Prompts per batch size (first N of the dataset).")
+    parser.add_argument("--num-prompts", type=int, help="Prompts per batch size (the dataset's first N after --prompt-offset).")
+    parser.add_argument("--prompt-offset", type=int, default=0,
+                        help="Skip the dataset's first N prompts: a held-out set for settings tuned on the first ones.")
     parser.add_argument("--batch-size-prompts", type=_size_map, default={},
                         help="Fewer prompts at some batch sizes, e.g. 1=4 (batch size 1 is slowest per prompt).")
     parser.add_argument("--batch-sizes", type=_int_list, help="Comma-separated, e.g. 1,4,16.")
@@ -147,6 +149,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         do_sample=args.do_sample,
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
+        prompt_offset=args.prompt_offset,
         batch_size_prompts=args.batch_size_prompts,
         tiny=args.tiny,
         dtype=args.dtype,

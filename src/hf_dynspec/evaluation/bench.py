@@ -100,6 +100,8 @@ class BenchSettings:
     draft: str | None = "qwen2.5-coder-0.5b"
     dataset: str = "humaneval"
     num_prompts: int = 16
+    prompt_offset: int = 0
+    """Prompts of the dataset skipped before the first one used (random prompts too, with `tiny`): a held-out set."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     max_new_tokens: int = 128
     methods: str = "plain,hf-assisted,dynspec-static:4"
@@ -137,6 +139,8 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise ValueError(f"`num_prompts` must be at least 1, got {self.num_prompts}.")
+        if self.prompt_offset < 0:
+            raise ValueError(f"`prompt_offset` must be 0 or more (prompts to skip), got {self.prompt_offset}.")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"`batch_sizes` must be positive integers, got {self.batch_sizes}.")
         if self.repetitions < 1:
@@ -443,17 +447,19 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
             role: {"dtype_requested": requested[role], "dtype": str(model.dtype).removeprefix("torch.")}
             for role, model in (("target", target), ("draft", draft))
         }
-        return target, draft, random_token_prompts(count, TINY_VOCAB, seed=settings.seed)
+        prompts = random_token_prompts(settings.prompt_offset + count, TINY_VOCAB, seed=settings.seed)
+        return target, draft, prompts[settings.prompt_offset :]
     from .models import load_model, load_tokenizer, resolve_model
 
     target_name, target_options = settings.load_options("target")
     target_location = resolve_model(target_name)
     tokenizer = load_tokenizer(target_location)
-    prompts = encode(load_prompts(settings.dataset, 4 * count + 8), tokenizer, settings.max_prompt_tokens)[:count]
+    source = load_prompts(settings.dataset, 4 * count + 8, offset=settings.prompt_offset)
+    prompts = encode(source, tokenizer, settings.max_prompt_tokens)[:count]
     if len(prompts) < count:
         raise ValueError(
-            f"Only {len(prompts)} prompts of {settings.dataset!r} fit in {settings.max_prompt_tokens} tokens; "
-            f"lower --num-prompts or raise --max-prompt-tokens."
+            f"Only {len(prompts)} prompts of {settings.dataset!r} after the first {settings.prompt_offset} fit in "
+            f"{settings.max_prompt_tokens} tokens; lower --num-prompts or --prompt-offset, or raise --max-prompt-tokens."
         )
     draft = None
     if need_draft and settings.draft:

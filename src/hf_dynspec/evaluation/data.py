@@ -156,11 +156,18 @@ def mixed_prompts(limit: int) -> list[Prompt]:
     return mixed + code[len(chat) :]
 
 
-def load_prompts(dataset: str, limit: int) -> list[Prompt]:
+def load_prompts(dataset: str, limit: int, offset: int = 0) -> list[Prompt]:
     """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `mixed`) or a JSONL path, in
-    file order."""
+    file order, after skipping the source's first `offset` prompts (a held-out set beside the first ones)."""
     if limit < 1:
         raise PromptSourceError(f"The number of prompts must be at least 1, got {limit}.")
+    if offset < 0:
+        raise PromptSourceError(f"The prompt offset must be 0 or more (prompts to skip), got {offset}.")
+    return _source_prompts(dataset, offset + limit)[offset:]
+
+
+def _source_prompts(dataset: str, limit: int) -> list[Prompt]:
+    """The first `limit` prompts of `dataset` (see `load_prompts`)."""
     if dataset == "humaneval":
         return humaneval_prompts()[:limit]
     if dataset == "sharegpt":
