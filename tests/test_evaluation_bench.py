@@ -235,6 +235,26 @@ def test_settings_are_validated():
         bench.BenchSettings(batch_sizes=[0])
     with pytest.raises(ValueError, match="repetitions"):
         bench.BenchSettings(repetitions=0)
+    with pytest.raises(ValueError, match="prompt_offset"):
+        bench.BenchSettings(prompt_offset=-2)
+
+
+def test_prompt_offset_holds_out_the_first_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(5)))
+    held_out = bench_command.settings_from_args(_parse(["--tiny", "--prompt-offset", "3", "--num-prompts", "2",
+                                                         "--batch-sizes", "2"]))
+    assert held_out.prompt_offset == 3
+    first = bench.BenchSettings(tiny=True, num_prompts=5, batch_sizes=[5])
+    assert bench.load_inputs(held_out)[2] == bench.load_inputs(first)[2][3:]
+    def tokenizer(text):  # one id per character
+        return {"input_ids": [ord(c) for c in text]}
+
+    settings = bench.BenchSettings(dataset=str(path), prompt_offset=1, num_prompts=2)
+    assert bench.prompt_ids(settings, tokenizer, 2) == [[112, 49], [112, 50]]  # "p1", "p2"
+    settings = bench.BenchSettings(dataset=str(path), prompt_offset=4, num_prompts=2)
+    with pytest.raises(ValueError, match="Only 1 prompts .* after the first 4"):
+        bench.prompt_ids(settings, tokenizer, 2)
 
 
 def test_tiny_benchmark_end_to_end(pair, tmp_path):

@@ -87,6 +87,18 @@ def test_jsonl_prompts_read_messages_and_prompts(tmp_path):
     assert prompts == [Prompt(messages=[{"role": "user", "content": "hi"}], task="chat"), Prompt(text="def f():")]
 
 
+def test_prompt_offset_skips_the_first_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(6)))
+    assert [p.text for p in data.load_prompts(str(path), 3, offset=2)] == ["p2", "p3", "p4"]
+    assert [p.text for p in data.load_prompts(str(path), 3, offset=5)] == ["p5"]
+    assert data.load_prompts(str(path), 3, offset=6) == []
+    held_out = data.load_prompts("humaneval", 4, offset=100)
+    assert held_out == data.load_prompts("humaneval", 104)[100:]
+    with pytest.raises(PromptSourceError, match="offset must be 0 or more"):
+        data.load_prompts("humaneval", 3, offset=-1)
+
+
 def test_jsonl_line_without_prompt_is_an_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": ""}) + "\n")

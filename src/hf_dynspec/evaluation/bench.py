@@ -432,7 +432,7 @@ def _config_dict(settings: BenchSettings, prompts: list[list[int]], budgets: lis
 # ---- loading -------------------------------------------------------------------------------------------------------
 def load_inputs(settings: BenchSettings, need_draft: bool = True):
     """`(target, draft, prompt token ids)` for `settings` (tiny random models and prompts when `settings.tiny`)."""
-    from .data import encode, load_prompts, random_token_prompts
+    from .data import random_token_prompts
 
     count = max(settings.prompts_for(b) for b in settings.batch_sizes)
     if settings.tiny:
@@ -454,13 +454,7 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     target_name, target_options = settings.load_options("target")
     target_location = resolve_model(target_name)
     tokenizer = load_tokenizer(target_location)
-    source = load_prompts(settings.dataset, 4 * count + 8, offset=settings.prompt_offset)
-    prompts = encode(source, tokenizer, settings.max_prompt_tokens)[:count]
-    if len(prompts) < count:
-        raise ValueError(
-            f"Only {len(prompts)} prompts of {settings.dataset!r} after the first {settings.prompt_offset} fit in "
-            f"{settings.max_prompt_tokens} tokens; lower --num-prompts or --prompt-offset, or raise --max-prompt-tokens."
-        )
+    prompts = prompt_ids(settings, tokenizer, count)
     draft = None
     if need_draft and settings.draft:
         draft_name, draft_options = settings.load_options("draft")
@@ -469,6 +463,20 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     target = load_model(target_location, target_options)
     settings.loaded_models["target"] = target.hf_dynspec_load
     return target, draft, prompts
+
+
+def prompt_ids(settings: BenchSettings, tokenizer: Any, count: int) -> list[list[int]]:
+    """Token ids of the dataset's first `count` prompts after `prompt_offset` that fit in `max_prompt_tokens`."""
+    from .data import encode, load_prompts
+
+    source = load_prompts(settings.dataset, 4 * count + 8, offset=settings.prompt_offset)
+    prompts = encode(source, tokenizer, settings.max_prompt_tokens)[:count]
+    if len(prompts) < count:
+        raise ValueError(
+            f"Only {len(prompts)} prompts of {settings.dataset!r} after the first {settings.prompt_offset} fit in "
+            f"{settings.max_prompt_tokens} tokens; lower --num-prompts or --prompt-offset, or raise --max-prompt-tokens."
+        )
+    return prompts
 
 
 def load_variant_drafts(
