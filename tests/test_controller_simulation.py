@@ -94,8 +94,11 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
     """Float32 on a CPU with AVX2 only (measured: a target forward over 2 tokens costs 2.2x one, a draft forward 44%
     of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves three blocks of 16 calls, as
     the bench reuses it: the first block loses at most the loss budget (5%), and once the costs are known the later
-    blocks lose at most 1%. (Before the budget booked steps at measured costs and explorations ran whole or not at
-    all, every block lost 4.7-5.6%.)"""
+    blocks lose at most 2.5%: what is left are probes, each paying the draft's prompt catch-up (about 5 plain steps
+    here), ever rarer as failed probes back off (measured: 2.0% in the second block, none in the third). (Before the
+    budget booked steps at measured costs and explorations ran whole or not at all, every block lost 4.7-5.6%. While
+    a prompt-wide catch-up was priced along the verify curve's last slope, about 10x its cost here, the later blocks
+    lost under 1%, and whole calls on bfloat16, where drafting pays, never drafted.)"""
     env = Environment(acceptance=(0.8,), budgets=(48,), prompt_tokens=100, v0=0.36, flat_tokens=20, draft_ratio=0.44,
                       multi_token_factor=2.2, max_draft_tokens=8)
     policy = GoodputPolicy(GoodputSettings())
@@ -105,7 +108,7 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
         best_fixed = min(sum(seconds(StaticPolicy(k), env, seed) for seed in calls) for k in range(1, 9))
         controller = sum(seconds(policy, env, seed) for seed in calls)
         assert best_fixed > plain
-        bound = GoodputSettings().loss_budget if block == 0 else 0.01
+        bound = GoodputSettings().loss_budget if block == 0 else 0.025
         assert controller <= plain * (1 + bound), f"block {block}: {plain / controller:.3f}x plain"
 
 

@@ -592,6 +592,26 @@ def test_investment_rule_never_shortens_what_the_loss_budget_allows() -> None:
     assert requested(0.05, banked=30.0) == requested(None, banked=0.0) == 8  # the search's own choice
 
 
+def test_a_prompt_wide_catch_up_is_priced_from_the_target_prefill_not_the_last_verify_slope() -> None:
+    """The verify curve knows 1 to 11 tokens, and its last knot was timed slow (0.25 s against 0.17 s two tokens
+    before). Carried to the draft's 276-token prompt catch-up, that slope prices the catch-up at 3.6 s; the target
+    prefilled the 275-token prompt in 1.2 s, so the draft (a third of the target's cost) needs about 0.4 s. Priced at
+    3.6 s, a share of the catch-up per remaining token made every step of the call plain."""
+    verify = PiecewiseLinear.fit({1: (0.15, 1), 9: (0.17, 1), 11: (0.25, 1)})
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None),
+                           cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.05, 1)})))
+    policy.reset(1)
+    policy.observe_prefill(PrefillFeedback(1, 275, 1.2, 0.33))
+    policy.acceptance.update(torch.tensor([0]), torch.tensor([40]), torch.tensor([24]))
+    step = PolicyInput(step=0, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([47]), max_draft_tokens=8,
+                       backlog=torch.tensor([276]))
+    assert 0.3 < policy._catchup_seconds(step) < 0.5  # draft forward 0.05 s x target 1.2 s / 0.15 s
+    assert int(policy.draft_lengths(step)[0]) >= 2
+    policy.prefill_point = None  # the last segment's slope alone: 0.05 x (0.25 + 0.04 x 265) / 0.15
+    assert policy._catchup_seconds(step) > 3.0
+    assert int(policy.draft_lengths(step)[0]) == 0
+
+
 def test_marginal_stop_keeps_a_stopped_row_stopped() -> None:
     policy = GoodputPolicy(GoodputSettings(early_stop="marginal", loss_budget=None), cost_model=offload_like_cost())
     policy.reset(2)

@@ -303,6 +303,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.last_exploration: int | None = None
         self.last_blocked = False
         self.draft_ratio: float | None = None  # draft/target parameter ratio, from the prefill
+        self.prefill_point: tuple[int, float] | None = None  # (tokens, seconds) of the call's target prefill
         self._free: torch.BoolTensor | None = None
 
     def reset(self, num_rows: int) -> None:
@@ -316,6 +317,8 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
+        if feedback.tokens > 0 and feedback.seconds > 0:
+            self.prefill_point = (feedback.tokens, feedback.seconds)
         if isinstance(self.cost_model, OnlineCostModel):
             self.cost_model.draft_ratio = feedback.draft_cost_ratio
         self.budget.start(feedback.seconds)
@@ -347,8 +350,12 @@ class GoodputPolicy(DraftLengthPolicy):
             return torch.zeros(batch, dtype=torch.long)
         catchup = self._catchup_seconds(request)
         self.last_exploration = self.cost_model.exploration_length(batch, max_k)
-        if self.last_exploration and (int(caps.max()) < self.last_exploration or not self._could_pay(request, caps)):
-            # no row can draft that far (the call is ending), or no cost could make these rows worth drafting
+        if self.last_exploration and (
+            int(caps.max()) < self.last_exploration or catchup > 0 or not self._could_pay(request, caps)
+        ):
+            # no row can draft that far (the call is ending), the draft would first have to catch up on a backlog
+            # (its prompt): a measurement does not pay for that, drafting does, so the search decides; or no cost
+            # could make these rows worth drafting
             self.last_exploration = None
         if self.last_exploration is not None:
             wanted = caps.clamp(max=self.last_exploration)
@@ -538,8 +545,26 @@ class GoodputPolicy(DraftLengthPolicy):
         model = self.cost_model
         if not isinstance(model, PaddedCostModel) or model.draft is None or model.verify is None:
             return 0.0
-        one, wide = model.verify(np.array([float(batch), float(tokens)]))
+        one, wide = self._target_seconds(np.array([float(batch), float(tokens)]))
         return float(model.draft(np.array([batch]))[0]) * float(wide) / max(float(one), 1e-12)
+
+    def _target_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """`[n]` seconds of a target forward over `tokens` (`[n]`): the verify curve up to its last knot; past it, the
+        line from that knot to the call's target prefill (a forward as wide as the prompt, measured every call).
+
+        A verify curve knows widths up to the longest verify; its last segment's slope, carried to a prompt-wide
+        catch-up, can price that catch-up several times too high (two knots a few tokens apart, one timed slow), and
+        then the catch-up's share keeps a whole call from drafting."""
+        verify = self.cost_model.verify
+        seconds = np.asarray(verify(tokens), dtype=np.float64)
+        knots = getattr(verify, "xs", None)
+        if knots is None or self.prefill_point is None or self.prefill_point[0] <= float(knots[-1]):
+            return seconds
+        last = float(knots[-1])
+        at_last = float(verify(np.array([last]))[0])
+        width, measured = self.prefill_point
+        slope = max(0.0, (measured - at_last) / (width - last))
+        return np.where(tokens > last, at_last + slope * (tokens - last), seconds)
 
     def _price(
         self,
