@@ -94,12 +94,11 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
     """Float32 on a CPU with AVX2 only (measured: a target forward over 2 tokens costs 2.2x one, a draft forward 44%
     of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves three blocks of 16 calls, as
     the bench reuses it: the first block loses at most the loss budget (5%), and once the costs are known the later
-    blocks lose at most 2.5%: what is left are probes, each paying the draft's prompt catch-up (about 5 plain steps
-    here), ever rarer as failed probes back off (measured: 2.0% in the second block, none in the third). (Before the
-    budget booked steps at measured costs and explorations ran whole or not at all, every block lost 4.7-5.6%. While
-    a prompt-wide catch-up was priced along the verify curve's last slope, 1.13x its cost here (median over 2048
-    steps), the budget refused these probes and the later blocks lost under 1%; on bfloat16 the same pricing was
-    about 4x the cost and kept whole calls, where drafting pays, from drafting.)"""
+    blocks lose at most 1%. What is left are probes, each paying the draft's prompt catch-up (about 6 plain steps
+    here): a probe waits as many times `probe_interval` plain steps as it is expected to lose (measured: 2.0%, 0.43%
+    and none in the three blocks). (Before the budget booked steps at measured costs and explorations ran whole or not
+    at all, every block lost 4.7-5.6%; while probes came every `probe_interval` plain steps whatever they cost, the
+    later blocks lost 2.0% and none.)"""
     env = Environment(acceptance=(0.8,), budgets=(48,), prompt_tokens=100, v0=0.36, flat_tokens=20, draft_ratio=0.44,
                       multi_token_factor=2.2, max_draft_tokens=8)
     policy = GoodputPolicy(GoodputSettings())
@@ -109,7 +108,7 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
         best_fixed = min(sum(seconds(StaticPolicy(k), env, seed) for seed in calls) for k in range(1, 9))
         controller = sum(seconds(policy, env, seed) for seed in calls)
         assert best_fixed > plain
-        bound = GoodputSettings().loss_budget if block == 0 else 0.025
+        bound = GoodputSettings().loss_budget if block == 0 else 0.01
         assert controller <= plain * (1 + bound), f"block {block}: {plain / controller:.3f}x plain"
 
 
@@ -136,6 +135,9 @@ def test_new_calls_draft_where_the_catch_up_is_repaid_over_the_call() -> None:
 
 def test_probing_spans_calls_shorter_than_the_probe_interval() -> None:
     """After calls where drafting stopped paying, later calls with high acceptance draft again: the plain steps that
-    lead to a probe are counted across calls (31-step calls never reached the 32 of `probe_interval` one by one)."""
+    lead to a probe are counted across calls (31-step calls never reached the 32 of `probe_interval` one by one).
+    A probe the optimistic search does not want (late in a call, where the catch-up's share per remaining token is
+    large) is not made and the count goes on: the next step asks again. (Restarting the count there, with probes that
+    wait as many intervals as they are expected to lose, locked every later attempt to the end of a call: none drafted.)"""
     steps = drafting_steps(avx2_narrow_calls([0.77, 0.72, 0.83, 0.89, 0.96, 0.86, 0.79, 0.77]))
     assert sum(steps[3:]) >= 10, steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -252,6 +253,33 @@ def test_goodput_probes_after_a_long_plain_stretch_with_optimistic_acceptance() 
     assert policy.last_exploration is None  # a fixed cost model never asks to explore
     never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=0), cost_model=cost)
     assert [int(never.draft_lengths(request(1, 4)).max()) for _ in range(8)] == [0] * 8
+
+
+
+def test_a_probe_that_must_catch_the_draft_up_waits_as_many_plain_steps_as_it_is_expected_to_lose() -> None:
+    """Probes spend about the same share of the time whatever they cost: a probe whose catch-up costs several plain
+    steps waits that many times `probe_interval`. (Before, it came every `probe_interval` plain steps all the same;
+    on the AVX2 simulation, where drafting never pays, those catch-ups lost 2% of every later block.)"""
+    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))  # pays only if acceptance > 0.8
+
+    def first_probe(backlog: int) -> tuple[int, int]:
+        """(the plain-step count at which the first probe comes, its draft length)"""
+        policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4, loss_budget=None),
+                               cost_model=cost)
+        policy.reset(1)
+        policy.observe_prefill(PrefillFeedback(1, 100, 10.0, 0.3))  # the draft catches up at 0.03 s a token
+        step = PolicyInput(step=0, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([1000]),
+                           max_draft_tokens=4, backlog=torch.tensor([backlog]))
+        for n in range(1, 200):
+            k = int(policy.draft_lengths(step).max())
+            if k:
+                return n, k
+        raise AssertionError("no probe in 200 plain steps")
+
+    assert first_probe(1)[0] == 4  # the backlog rides in the first draft forward: no catch-up
+    n, k = first_probe(201)  # a 6 s catch-up (200 tokens at 0.03 s): 6 plain steps
+    lost = 1.0 + 0.8 * k + 6.0 - sum(0.5**j for j in range(k + 1))  # price less tokens emitted at acceptance 0.5
+    assert k > 0 and n == math.ceil(4 * lost) > 4 * 6
 
 
 def test_goodput_from_dynspec_config_and_json(tmp_path) -> None:

@@ -166,7 +166,8 @@ class GoodputSettings:
     )
     probe_interval: int = field(
         default=32,
-        metadata={"help": "After this many all-plain steps, try once with optimistic acceptance (0 disables)."},
+        metadata={"help": "After this many all-plain steps (times the plain steps a probe is expected to lose), try "
+                  "once with optimistic acceptance (0 disables)."},
     )
     probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
     confidence_z: float = field(
@@ -254,8 +255,9 @@ class GoodputPolicy(DraftLengthPolicy):
     Each step: acceptance estimates per row (`AcceptanceEstimator`), caps `min(max, remaining - 1)`, then
     `best_draft_lengths`, with the draft's catch-up forward (when its backlog is too wide to ride in the first draft
     forward) added to the price of every vector that drafts. An online cost model may instead ask for one exploratory
-    length (to measure a point it lacks). After `probe_interval` consecutive plain steps the policy re-solves once with
-    optimistic acceptance (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
+    length (to measure a point it lacks). After `probe_interval` consecutive plain steps (times the plain steps a probe
+    is expected to lose, catch-up included: `_probe_weight`) the policy re-solves once with optimistic acceptance
+    (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
     Whatever the choice, a step that drafts runs only when `LossBudget.allows` it (see `hf_dynspec.budget`).
 
     With a hybrid proposer (`PolicyInput.free_lengths`), three vectors compete: prompt lookup alone (no draft forward),
@@ -372,15 +374,37 @@ class GoodputPolicy(DraftLengthPolicy):
             self.plain_streak += 1
             interval = self.settings.probe_interval * self.probe_backoff
             if self.settings.probe_interval and self.plain_streak >= interval:
-                self.plain_streak = 0
-                lengths, self._free = self._search(request, caps, catchup, optimistic=True)
-                self._probing = True
+                probe, free = self._search(request, caps, catchup, optimistic=True)
+                if bool((probe > 0).any()) and self.plain_streak >= interval * self._probe_weight(
+                    request, probe, free, catchup
+                ):
+                    self.plain_streak = 0
+                    lengths, self._free, self._probing = probe, free, True
         if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
             lengths = caps.clone()  # the marginal stop decides where each row's draft ends
         lengths = self._within_budget(request, lengths, catchup)
         if not bool((lengths > 0).any()):
             self._free, self._probing = None, False  # a probe the budget stopped is no probe: the next step decides
         return lengths
+
+    def _probe_weight(
+        self, request: PolicyInput, lengths: torch.LongTensor, free: torch.BoolTensor | None, catchup: float
+    ) -> float:
+        """How many plain steps a probe of `lengths` is expected to lose (at least 1): its price, catch-up included,
+        less what it emits at the rows' mean acceptance, in plain steps at measured costs. A probe waits that many
+        times `probe_interval * probe_backoff` plain steps, so probing spends about the same share of the time
+        whatever a probe costs: one that first has to catch the draft up on a prompt waits for as many plain steps
+        as that catch-up costs."""
+        if not bool((lengths > 0).any()):
+            return 1.0
+        batch, rows = request.batch_size, request.row_ids
+        plain = self._plain_seconds(batch)
+        by_draft = self.acceptance.mean(rows)
+        by_lookup = self._lookup_estimate(rows, None) if free is not None else by_draft
+        sources = torch.where(free, by_lookup, by_draft) if free is not None else by_draft
+        emitted = float(expected_tokens(sources, lengths).sum()) / batch  # [plain steps' worth]
+        price = self._price(batch, lengths, free, catchup, model=self._booking_model())
+        return max(1.0, price / plain - emitted)
 
     def _could_pay(self, request: PolicyInput, caps: torch.LongTensor) -> bool:
         """Whether drafting could beat plain steps at optimistic acceptance if verifying cost no more than a plain
