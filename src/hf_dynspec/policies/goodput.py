@@ -399,10 +399,10 @@ class GoodputPolicy(DraftLengthPolicy):
             return 1.0
         batch, rows = request.batch_size, request.row_ids
         plain = self._plain_seconds(batch)
-        by_draft = self.acceptance.mean(rows)
-        by_lookup = self._lookup_estimate(rows, None) if free is not None else by_draft
-        sources = torch.where(free, by_lookup, by_draft) if free is not None else by_draft
-        emitted = float(expected_tokens(sources, lengths).sum()) / batch  # [plain steps' worth]
+        acceptance = self.acceptance.mean(rows)  # [batch]
+        if free is not None:
+            acceptance = torch.where(free, self._lookup_estimate(rows, None), acceptance)
+        emitted = float(expected_tokens(acceptance, lengths).sum()) / batch  # in plain steps' worth of tokens
         price = self._price(batch, lengths, free, catchup, model=self._booking_model())
         return max(1.0, price / plain - emitted)
 
