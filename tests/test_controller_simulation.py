@@ -94,23 +94,27 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
     """Float32 on a CPU with AVX2 only (measured: a target forward over 2 tokens costs 2.2x one, a draft forward 44%
     of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves three blocks of 16 calls, as
     the bench reuses it: the first block loses at most the loss budget (5%), and once the costs are known the later
-    blocks lose at most 1%. What is left are probes, each paying the draft's prompt catch-up (about 6 plain steps
-    here): a probe waits as many times `probe_interval` plain steps as it is expected to lose (measured: 2.0%, 0.43%
-    and none in the three blocks). (Before the budget booked steps at measured costs and explorations ran whole or not
-    at all, every block lost 4.7-5.6%; while probes came every `probe_interval` plain steps whatever they cost, the
-    later blocks lost 2.0% and none.)"""
+    blocks lose 1% on average. What is left are probes, each paying the draft's prompt catch-up (about 6 plain steps
+    here): a probe waits as many times `probe_interval` plain steps as it is expected to lose. One probe that accepts
+    little costs a block about 1.2%, so a single run's later block is no measure of the rate: this takes six
+    independent runs (measured: later blocks lose 0.56% on average, at most 1.34%; before the verify curve followed
+    the line to the prefill past its last knot, 0.45% and 1.37%, and 8 of 12 runs had a later block above 1%)."""
     env = Environment(acceptance=(0.8,), budgets=(48,), prompt_tokens=100, v0=0.36, flat_tokens=20, draft_ratio=0.44,
                       multi_token_factor=2.2, max_draft_tokens=8)
-    policy = GoodputPolicy(GoodputSettings())
-    for block in range(3):
-        calls = [block + 100 * call for call in range(16)]
-        plain = sum(seconds(StaticPolicy(0), env, seed) for seed in calls)
-        best_fixed = min(sum(seconds(StaticPolicy(k), env, seed) for seed in calls) for k in range(1, 9))
-        controller = sum(seconds(policy, env, seed) for seed in calls)
-        assert best_fixed > plain
-        bound = GoodputSettings().loss_budget if block == 0 else 0.01
-        assert controller <= plain * (1 + bound), f"block {block}: {plain / controller:.3f}x plain"
-
+    later = []
+    for run in range(6):
+        policy = GoodputPolicy(GoodputSettings())
+        for block in range(3):
+            calls = [block + 100 * call + 10_000 * run for call in range(16)]
+            plain = sum(seconds(StaticPolicy(0), env, seed) for seed in calls)
+            if run == 0:
+                best_fixed = min(sum(seconds(StaticPolicy(k), env, seed) for seed in calls) for k in range(1, 9))
+                assert best_fixed > plain
+            loss = sum(seconds(policy, env, seed) for seed in calls) / plain - 1
+            bound = GoodputSettings().loss_budget if block == 0 else 0.015
+            assert loss <= bound, f"run {run}, block {block}: {1 / (1 + loss):.3f}x plain"
+            later += [loss] if block else []
+    assert np.mean(later) <= 0.01, f"later blocks lose {np.mean(later):.2%} on average"
 
 
 def avx2_narrow_calls(acceptance: list[float]) -> list[Environment]:

@@ -121,6 +121,33 @@ def test_piecewise_linear_interpolates_and_extrapolates() -> None:
     assert PiecewiseLinear.fit({}) is None
 
 
+def test_piecewise_linear_follows_the_line_to_a_far_point_past_its_last_knot() -> None:
+    flat_end = {8: (1.0, 1), 15: (1.8, 1), 16: (1.8, 1)}  # the last segment is flat
+    curve = PiecewiseLinear.fit(flat_end, far=(116.0, 11.8))
+    np.testing.assert_allclose(curve(np.array([8.0, 15.5, 16.0, 66.0])), [1.0, 1.8, 1.8, 6.8])
+    np.testing.assert_allclose(PiecewiseLinear.fit(flat_end)(np.array([66.0])), [1.8])
+    single = PiecewiseLinear.fit({4: (2.0, 1)}, far=(24.0, 4.0))
+    np.testing.assert_allclose(single(np.array([2.0, 14.0])), [1.0, 3.0])
+    near = PiecewiseLinear.fit({2: (1.0, 1), 4: (2.0, 1)}, far=(3.0, 9.0))  # not past the last knot: ignored
+    np.testing.assert_allclose(near(np.array([6.0])), [3.0])
+    below = PiecewiseLinear.fit({2: (1.0, 1), 4: (2.0, 1)}, far=(40.0, 1.5))  # cheaper than the last knot: flat
+    np.testing.assert_allclose(below(np.array([6.0])), [2.0])
+
+
+def test_online_cost_model_extends_every_verify_curve_to_the_call_prefill() -> None:
+    """The learned curve, the evidence the loss budget books at and the optimistic curve of probes all price a
+    verify wider than their last knot on the line to the call's target prefill."""
+    model = OnlineCostModel(warmup_steps=0)
+    for _ in range(3):
+        for batch in (15, 16):
+            lengths = torch.zeros(batch, dtype=torch.long)
+            model.observe(StepFeedback(torch.arange(batch), lengths, lengths, lengths, 0.0, 0.9, batch))
+    model.observe_prefill(9600, 114.0)
+    wide = 0.9 + (114.0 - 0.9) * (64 - 16) / (9600 - 16)
+    for curve in (model.verify, model.evidence.verify, model.optimistic().verify):
+        assert float(curve(np.array([64.0]))[0]) == pytest.approx(wide)
+
+
 # ---- online cost model ---------------------------------------------------------------------------------------------
 def true_verify(tokens: float) -> float:
     """A target whose forward costs 80 ms plus 4 ms per token, growing faster beyond ~64 tokens."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -634,9 +635,38 @@ def test_a_prompt_wide_catch_up_is_priced_from_the_target_prefill_not_the_last_v
                        backlog=torch.tensor([276]))
     assert 0.3 < policy._catchup_seconds(step) < 0.5  # draft forward 0.05 s x target 1.2 s / 0.15 s
     assert int(policy.draft_lengths(step)[0]) >= 2
-    policy.prefill_point = None  # the last segment's slope alone: 0.05 x (0.25 + 0.04 x 265) / 0.15
+    policy.cost_model.verify = replace(policy.cost_model.verify, far=None)  # the last segment's slope alone: 0.05 x (0.25 + 0.04 x 265) / 0.15
     assert policy._catchup_seconds(step) > 3.0
     assert int(policy.draft_lengths(step)[0]) == 0
+
+
+def test_verify_widths_past_the_last_knot_are_priced_on_the_line_to_the_target_prefill() -> None:
+    """Batch 16 in bfloat16 on a CPU with AMX, at a 600-token context (measured: a verify forward over 16, 32, 48, 64,
+    96 and 128 tokens costs 0.91, 0.86, 1.10, 1.47, 1.96 and 2.16 s; the 9600-token prefill 114.5 s). A policy that has
+    seen only plain steps knows verify widths up to 16 tokens, and there the steps of 15 and 16 rows were timed alike.
+    Along that flat last segment a 64-token verify costs 0.91 s and, at acceptance 0.64, three draft tokens look
+    best; along the line to the prefill it costs 1.48 s, and one draft token is best, as at the measured costs."""
+    plain_steps = {rows: (0.25 + 0.044 * (rows - 1), 1) for rows in range(1, 15)} | {15: (0.91, 1), 16: (0.91, 1)}
+    measured = PiecewiseLinear.fit({16: (0.91, 1), 32: (0.86, 1), 48: (1.10, 1), 64: (1.47, 1), 96: (1.96, 1),
+                                    128: (2.16, 1)})
+    draft = PiecewiseLinear.fit({16: (0.15, 1)})
+
+    def chosen(verify: PiecewiseLinear) -> int:
+        policy = GoodputPolicy(GoodputSettings(loss_budget=None), cost_model=PaddedCostModel(verify, draft))
+        policy.reset(16)
+        policy.observe_prefill(PrefillFeedback(16, 9600, 114.5, 0.33))
+        rows = torch.arange(16)
+        for i in range(100):  # 7 of every 10 single draft tokens accepted, 100 times per row
+            policy.acceptance.update(rows, torch.ones(16, dtype=torch.long), torch.full((16,), int(i % 10 < 7)))
+        assert float(policy.acceptance.mean(rows)[0]) == pytest.approx(0.64, abs=0.01)
+        if verify is not measured:
+            assert float(policy.cost_model.verify(np.array([64.0]))[0]) == pytest.approx(1.48, abs=0.01)
+        return int(policy.draft_lengths(request(16, 8))[0])
+
+    assert chosen(PiecewiseLinear.fit(plain_steps)) == chosen(measured) == 1
+    flat = PaddedCostModel(PiecewiseLinear.fit(plain_steps), draft)  # the same knots without the prefill
+    acceptance = torch.full((16,), 0.64, dtype=torch.float64)
+    assert int(best_draft_lengths(acceptance, torch.full((16,), 8), 8, flat).max()) == 3
 
 
 def test_marginal_stop_keeps_a_stopped_row_stopped() -> None:

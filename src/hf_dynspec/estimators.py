@@ -26,7 +26,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -167,33 +167,44 @@ def isotonic_increasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 class PiecewiseLinear:
     """A nondecreasing function through knots `(xs[j], ys[j])`, linear between them.
 
-    Below the first knot the value scales in proportion to `x` (`ys[0] * x / xs[0]`); above the last knot it continues
-    along the last segment's slope, or stays flat when there is a single knot.
+    Below the first knot the value scales in proportion to `x` (`ys[0] * x / xs[0]`). Above the last knot it follows
+    the line to `far`, a point measured far beyond the knots, when there is one; otherwise it continues along the
+    last segment's slope, or stays flat when there is a single knot.
     """
 
     xs: np.ndarray  # [n] increasing, positive
     ys: np.ndarray  # [n] nondecreasing
+    far: tuple[float, float] | None = None  # (x, value) beyond the last knot, or None
 
     @classmethod
-    def fit(cls, points: dict[int, tuple[float, int]]) -> PiecewiseLinear | None:
+    def fit(
+        cls, points: dict[int, tuple[float, int]], far: tuple[float, float] | None = None
+    ) -> PiecewiseLinear | None:
         """From `{x: (value, weight)}`: knots at the `x`s, values made nondecreasing by isotonic regression."""
         if not points:
             return None
         xs = np.array(sorted(points), dtype=np.float64)
         values = np.array([points[int(x)][0] for x in xs], dtype=np.float64)
         weights = np.array([points[int(x)][1] for x in xs], dtype=np.float64)
-        return cls(xs, isotonic_increasing(values, weights))
+        return cls(xs, isotonic_increasing(values, weights), far)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)
         out = np.interp(x, self.xs, self.ys)
         below = x < self.xs[0]
         out[below] = self.ys[0] * x[below] / self.xs[0]
-        if self.xs.shape[0] > 1:
-            slope = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2])
-            above = x > self.xs[-1]
-            out[above] = self.ys[-1] + slope * (x[above] - self.xs[-1])
+        above = x > self.xs[-1]
+        out[above] = self.ys[-1] + self.tail_slope() * (x[above] - self.xs[-1])
         return out
+
+    def tail_slope(self) -> float:
+        """The slope above the last knot: toward `far` when it lies past the last knot (never negative); else the
+        last segment's, or 0 with a single knot."""
+        if self.far is not None and self.far[0] > self.xs[-1]:
+            return max(0.0, (self.far[1] - self.ys[-1]) / (self.far[0] - self.xs[-1]))
+        if self.xs.shape[0] == 1:
+            return 0.0
+        return float((self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2]))
 
 
 # ---- cost models ---------------------------------------------------------------------------------------------------
@@ -217,6 +228,9 @@ class StepCostModel(ABC):
     def observe(self, feedback: StepFeedback) -> None:
         """Learn from a finished step's timings (no-op for fixed models)."""
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Learn from the call's target prefill, `seconds` over `tokens` target tokens, padding included (no-op)."""
+
     def exploration_length(self, batch_size: int, max_draft_tokens: int) -> int | None:
         """A draft length the model wants measured at this batch size next step, or `None` (fixed models: never)."""
         return None
@@ -227,11 +241,20 @@ class PaddedCostModel(StepCostModel):
 
     `verify` maps target tokens per forward to seconds, `draft` maps the batch size to seconds per draft forward;
     a missing `verify` costs one (arbitrary) second per step and a missing `draft` costs nothing.
+
+    The call's target prefill (`observe_prefill`) is a forward far wider than any verify: past its last knot the
+    verify curve follows the line to it (`PiecewiseLinear.far`) rather than its last segment. Knots a token or two
+    apart (a batch's plain steps as its rows finish) say little about a verify several times wider; the prefill
+    measures what each further token costs where the forward is compute-bound.
     """
 
     def __init__(self, verify: PiecewiseLinear | None, draft: PiecewiseLinear | None) -> None:
         self.verify = verify
         self.draft = draft
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if self.verify is not None and tokens > 0 and seconds > 0:
+            self.verify = replace(self.verify, far=(float(tokens), float(seconds)))
 
     def padded_seconds(self, batch_size: int, max_lengths: np.ndarray) -> np.ndarray:
         """`[n]` seconds of steps whose longest draft is `max_lengths` (`[n]`) at `batch_size` active rows."""
@@ -322,6 +345,7 @@ class OnlineCostModel(PaddedCostModel):
         self.draft_samples: dict[int, deque[tuple[float, int]]] = {}
         self.steps_observed = 0
         self._since_exploration = 0
+        self.prefill_point: tuple[float, float] | None = None  # the call's target prefill: (tokens, seconds)
         self.draft_ratio: float | None = None
         """Draft/target cost ratio assumed before any draft knot is confirmed (the policy sets the parameter ratio):
         a draft knot with too few fresh samples is then worth at most this times a plain step at its batch size."""
@@ -344,6 +368,11 @@ class OnlineCostModel(PaddedCostModel):
         if forwards > 0 and feedback.draft_seconds > 0:
             self._add(self.draft_samples, feedback.batch_size, float(feedback.draft_seconds) / forwards)
         self._refit()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_point = (float(tokens), float(seconds))
+            self._refit()
 
     def exploration_length(self, batch_size: int, max_draft_tokens: int) -> int | None:
         if max_draft_tokens <= 0:
@@ -376,9 +405,11 @@ class OnlineCostModel(PaddedCostModel):
         samples.setdefault(key, deque(maxlen=self.window)).append((seconds, self.steps_observed))
 
     def _refit(self) -> None:
-        self.verify = self._fit(self.verify_samples, extrapolate=False)
+        self.verify = self._fit(self.verify_samples, extrapolate=False, far=self.prefill_point)
         self.draft = self._fit(self.draft_samples, extrapolate=False, typical=True, prior=self._draft_prior(self.verify))
-        self.evidence = PaddedCostModel(_as_measured(self.verify_samples, min), _as_measured(self.draft_samples, _median))
+        self.evidence = PaddedCostModel(
+            _as_measured(self.verify_samples, min, self.prefill_point), _as_measured(self.draft_samples, _median)
+        )
 
     def has_measured(self, tokens: int) -> bool:
         """Whether a knot with a fresh sample at or beyond `tokens` target tokens (within the tolerance) prices them."""
@@ -390,7 +421,7 @@ class OnlineCostModel(PaddedCostModel):
 
     def optimistic(self) -> PaddedCostModel:
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
-        verify = self._fit(self.verify_samples, True)
+        verify = self._fit(self.verify_samples, True, far=self.prefill_point)
         return PaddedCostModel(verify, self._fit(self.draft_samples, True, typical=True, prior=self._draft_prior(verify)))
 
     def _draft_prior(self, verify: PiecewiseLinear | None) -> Callable[[np.ndarray], np.ndarray] | None:
@@ -406,9 +437,12 @@ class OnlineCostModel(PaddedCostModel):
         extrapolate: bool,
         typical: bool = False,
         prior: Callable[[np.ndarray], np.ndarray] | None = None,
+        far: tuple[float, float] | None = None,
     ) -> PiecewiseLinear | None:
         """Fastest sample per knot (the median if `typical`); provisional knots capped at what the confirmed knots
-        predict (within their range unless `extrapolate`), or at the `prior` while no knot is confirmed; isotonic fit.
+        predict (within their range unless `extrapolate`), or at the `prior` while no knot is confirmed; isotonic fit,
+        extended past its last knot toward `far`. The caps themselves extend the confirmed knots along their last
+        segment (flat for one knot): optimism where evidence is thin, so a draft length measured once is tried again.
 
         Without the prior, one draft step timed slow (a burst of load) would price drafting out for good: a
         length never chosen again is never measured again.
@@ -435,7 +469,7 @@ class OnlineCostModel(PaddedCostModel):
                 # pull a measured cost down (a cost that rises steeply from the second token on would be lost)
                 floor = max((value for y, value in kept.items() if y < x), default=0.0)
                 points[x] = (min(points[x][0], max(cap, floor)), points[x][1])
-        return PiecewiseLinear.fit(points)
+        return PiecewiseLinear.fit(points, far)
 
 
 def _median(values: list[float]) -> float:
@@ -450,10 +484,12 @@ def _knot_points(
 
 
 def _as_measured(
-    samples: dict[int, deque[tuple[float, int]]], pick: Callable[[list[float]], float]
+    samples: dict[int, deque[tuple[float, int]]],
+    pick: Callable[[list[float]], float],
+    far: tuple[float, float] | None = None,
 ) -> PiecewiseLinear | None:
     """The knots as measured (`pick` of each knot's samples), none capped: see `OnlineCostModel.evidence`."""
-    return PiecewiseLinear.fit(_knot_points(samples, pick))
+    return PiecewiseLinear.fit(_knot_points(samples, pick), far)
 
 
 def _medians(samples: dict[int, Any]) -> dict[int, tuple[float, int]]:

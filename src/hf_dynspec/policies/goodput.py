@@ -305,7 +305,6 @@ class GoodputPolicy(DraftLengthPolicy):
         self.last_exploration: int | None = None
         self.last_blocked = False
         self.draft_ratio: float | None = None  # draft/target parameter ratio, from the prefill
-        self.prefill_point: tuple[int, float] | None = None  # (tokens, seconds) of the call's target prefill
         self._free: torch.BoolTensor | None = None
 
     def reset(self, num_rows: int) -> None:
@@ -319,8 +318,7 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
-        if feedback.tokens > 0 and feedback.seconds > 0:
-            self.prefill_point = (feedback.tokens, feedback.seconds)
+        self.cost_model.observe_prefill(feedback.tokens, feedback.seconds)
         if isinstance(self.cost_model, OnlineCostModel):
             self.cost_model.draft_ratio = feedback.draft_cost_ratio
         self.budget.start(feedback.seconds)
@@ -565,30 +563,15 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def _draft_forward_seconds(self, batch: int, tokens: int) -> float:
         """A draft forward over `tokens` tokens at `batch` rows: its one-token forward times the target's cost of
-        `tokens` tokens over its cost of `batch` (0 while either is unknown)."""
+        `tokens` tokens over its cost of `batch` (0 while either is unknown). Past the verify curve's last knot the
+        target's cost follows the line to the call's prefill (`PiecewiseLinear.far`): carried along the
+        last segment to a prompt-wide catch-up, two knots a few tokens apart (one timed slow) can price that
+        catch-up several times too high, and then the catch-up's share keeps a whole call from drafting."""
         model = self.cost_model
         if not isinstance(model, PaddedCostModel) or model.draft is None or model.verify is None:
             return 0.0
-        one, wide = self._target_seconds(np.array([float(batch), float(tokens)]))
+        one, wide = model.verify(np.array([float(batch), float(tokens)]))
         return float(model.draft(np.array([batch]))[0]) * float(wide) / max(float(one), 1e-12)
-
-    def _target_seconds(self, tokens: np.ndarray) -> np.ndarray:
-        """`[n]` seconds of a target forward over `tokens` (`[n]`): the verify curve up to its last knot; past it, the
-        line from that knot to the call's target prefill (a forward as wide as the prompt, measured every call).
-
-        A verify curve knows widths up to the longest verify; its last segment's slope, carried to a prompt-wide
-        catch-up, can price that catch-up several times too high (two knots a few tokens apart, one timed slow), and
-        then the catch-up's share keeps a whole call from drafting."""
-        verify = self.cost_model.verify
-        seconds = np.asarray(verify(tokens), dtype=np.float64)
-        knots = getattr(verify, "xs", None)
-        if knots is None or self.prefill_point is None or self.prefill_point[0] <= float(knots[-1]):
-            return seconds
-        last = float(knots[-1])
-        at_last = float(verify(np.array([last]))[0])
-        width, measured = self.prefill_point
-        slope = max(0.0, (measured - at_last) / (width - last))
-        return np.where(tokens > last, at_last + slope * (tokens - last), seconds)
 
     def _price(
         self,
