@@ -29,7 +29,7 @@ def measure(model: torch.nn.Module, batch: int, widths: list[int], context: int,
     """`{"prefill": (tokens, seconds), "verify": {tokens: seconds}}` at `batch` rows over a `context`-token cache."""
     generator = torch.Generator().manual_seed(0)
     high = min(20000, model.config.vocab_size)
-    ids = torch.randint(100, high, (batch, context + max(widths)), generator=generator)  # [batch, context + widest]
+    ids = torch.randint(min(100, high // 2), high, (batch, context + max(widths)), generator=generator)  # [b, c + w]
     key = cache_kwarg(model.forward)
     cache = DynamicCache()
     with torch.inference_mode():
