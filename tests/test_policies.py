@@ -635,14 +635,16 @@ def test_a_prompt_wide_catch_up_is_priced_from_the_target_prefill_not_the_last_v
                        backlog=torch.tensor([276]))
     assert 0.3 < policy._catchup_seconds(step) < 0.5  # draft forward 0.05 s x target 1.2 s / 0.15 s
     assert int(policy.draft_lengths(step)[0]) >= 2
-    policy.cost_model.verify = replace(policy.cost_model.verify, far=None)  # the last segment's slope alone: 0.05 x (0.25 + 0.04 x 265) / 0.15
+    # the last segment's slope alone: 0.05 x (0.25 + 0.04 x 265) / 0.15
+    policy.cost_model.verify = replace(policy.cost_model.verify, far=None)
     assert policy._catchup_seconds(step) > 3.0
     assert int(policy.draft_lengths(step)[0]) == 0
 
 
 def test_verify_widths_past_the_last_knot_are_priced_on_the_line_to_the_target_prefill() -> None:
-    """Batch 16 in bfloat16 on a CPU with AMX, at a 600-token context (measured: a verify forward over 16, 32, 48, 64,
-    96 and 128 tokens costs 0.91, 0.86, 1.10, 1.47, 1.96 and 2.16 s; the 9600-token prefill 114.5 s). A policy that has
+    """Batch 16 in bfloat16 on a CPU with AMX, at a 600-token context (one of two measurements in docs/benchmarks.md: a
+    verify forward over 16, 32, 48, 64, 96 and 128 tokens cost 0.91, 0.86, 1.10, 1.47, 1.96 and 2.16 s; the 9600-token
+    prefill 114.5 s; in the other the line below prices 64 tokens 31% high). A policy that has
     seen only plain steps knows verify widths up to 16 tokens, and there the steps of 15 and 16 rows were timed alike.
     Along that flat last segment a 64-token verify costs 0.91 s and, at acceptance 0.64, three draft tokens look
     best; along the line to the prefill it costs 1.48 s, and one draft token is best, as at the measured costs."""
