@@ -4,7 +4,7 @@ At batch `b` a policy that has seen only plain steps knows verify widths up to `
 `goodput` cost model follows the line from that knot to the call's target prefill (`PiecewiseLinear.far`). This
 times, over a cache of `--context-length` tokens, the prefill of that cache at `--batch-size` rows and a verify
 forward of each of `--tokens-per-row` new tokens per row (medians after a warm-up), and prints each width's seconds
-beside what that line predicts from the one-token forward.
+beside what that line predicts from the narrowest one (`PiecewiseLinear`, as the policy computes it).
 
     python evaluation/verify_curve.py --model qwen2.5-coder-1.5b@bf16 --batch-size 16 --tokens-per-row 1,2,3,4,6,8 \
         --context-length 600 --out verify_curve.json
@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_dynspec.cache import cache_kwarg
+from hf_dynspec.estimators import PiecewiseLinear
 from hf_dynspec.evaluation.models import LoadOptions, load_model, resolve_model, split_variant
 
 
@@ -69,11 +70,11 @@ def main() -> None:
     widths = sorted({int(w) for w in args.tokens_per_row.split(",")})
     result = measure(model, args.batch_size, widths, args.context_length, args.repeats)
     (wide, wide_seconds), verify = result["prefill"], result["verify"]
-    last, at_last = min(verify), verify[min(verify)]
-    slope = (wide_seconds - at_last) / (wide - last)
+    narrowest = min(verify)
+    line = PiecewiseLinear.fit({narrowest: (verify[narrowest], 1)}, far=(wide, wide_seconds))
     print(f"prefill: {wide} tokens in {wide_seconds:.2f} s")
     for tokens, seconds in verify.items():
-        print(f"{tokens:6d} tokens: {seconds:.3f} s measured, {at_last + slope * (tokens - last):.3f} s on the line")
+        print(f"{tokens:6d} tokens: {seconds:.3f} s measured, {float(line([tokens])[0]):.3f} s on the line")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"model": args.model, "batch_size": args.batch_size, "context_length": args.context_length,
