@@ -16,44 +16,27 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from hf_dynspec.cache import cache_kwarg
+from hf_dynspec.calibration import _CachedForward, time_call
 from hf_dynspec.estimators import PiecewiseLinear
 from hf_dynspec.evaluation.models import LoadOptions, load_model, resolve_model, split_variant
 
 
 def measure(model: torch.nn.Module, batch: int, widths: list[int], context: int, repeats: int) -> dict:
-    """`{"prefill": (tokens, seconds), "verify": {tokens: seconds}}` at `batch` rows over a `context`-token cache."""
-    generator = torch.Generator().manual_seed(0)
-    high = min(20000, model.config.vocab_size)
-    ids = torch.randint(min(100, high // 2), high, (batch, context + max(widths)), generator=generator)  # [b, c + w]
-    key = cache_kwarg(model.forward)
-    cache = DynamicCache()
-    with torch.inference_mode():
-        start = time.perf_counter()
-        model(input_ids=ids[:, :context], **{key: cache})
-        prefill = time.perf_counter() - start
-        verify = {}
-        for width in tqdm(widths, desc="verify widths"):
-            samples = []
-            for _ in range(repeats + 1):  # the first is a warm-up
-                start = time.perf_counter()
-                model(input_ids=ids[:, context : context + width], **{key: cache})
-                samples.append(time.perf_counter() - start)
-                _crop(cache, context)
-            verify[batch * width] = statistics.median(samples[1:])
+    """`{"prefill": (tokens, seconds), "verify": {tokens: seconds}}` at `batch` rows over a `context`-token cache: the
+    forwards `hf-dynspec calibrate` times (logits of every new token, as a verify keeps), and the prefill under them."""
+    start = time.perf_counter()
+    forward = _CachedForward(model, batch, context, torch.Generator().manual_seed(0))  # prefills the cache
+    prefill = time.perf_counter() - start
+    verify = {
+        batch * width: statistics.median(time_call(partial(forward, width, keep=width), warmup=1, repeats=repeats))
+        for width in tqdm(widths, desc="verify widths")
+    }
     return {"prefill": (batch * context, prefill), "verify": verify}
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions of every layer of `cache`."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
 def main() -> None:
