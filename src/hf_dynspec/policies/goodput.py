@@ -181,8 +181,8 @@ class GoodputSettings:
     min_gain: float = field(default=0.0, metadata={"help": "Relative margin speculation must win by over plain steps."})
     loss_budget: float | None = field(
         default=0.05,
-        metadata={"help": "Largest fraction of plain decoding's time speculation may lose in a call (0 <= x < 1); "
-                  "None: no budget (the search alone decides)."},
+        metadata={"help": "Largest fraction of plain decoding's time speculation may lose, over every call the policy "
+                  "serves (0 <= x < 1); None: no budget (the search alone decides)."},
     )
     lookup_prior_acceptance: float = field(
         default=0.5, metadata={"help": "Hybrid proposer: prompt-lookup acceptance assumed before anything is observed."}
