@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
-from hf_dynspec.evaluation.methods import check_policies, parse_method, parse_policy_options
+from hf_dynspec.evaluation.methods import parse_method, parse_policy_options
 from hf_dynspec.evaluation.runner import Runner
 
 GOODPUT_METHODS = ("goodput", "tree", "hybrid", "tree-lookup")
@@ -115,7 +115,6 @@ def main() -> None:
     scenario = SCENARIOS["offload"]["policy_options"]  # as `hf-dynspec bench --scenario offload` runs them
     options = with_profile(parse_policy_options(args.policy_option, scenario), names, args.offload_profile)
     methods = [parse_method(name, options) for name in names]  # no plain: methods are compared with the first
-    check_policies(methods)
     fields = {f.name for f in dataclasses.fields(BenchSettings)}
     preset = {k: v for k, v in SCENARIOS["offload"].items() if k in fields and "offload" not in k and "memory" not in k}
     settings = BenchSettings(**{**preset, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens})

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import left_padded_prompts, perturbed, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dynspec
@@ -125,6 +126,44 @@ def test_user_stopping_criteria_match_plain(models, inputs):
     expected = target.generate(**inputs, do_sample=False, max_new_tokens=25, stopping_criteria=criteria)
     out = hf_dynspec.generate(target, **inputs, assistant_model=draft, do_sample=False, max_new_tokens=25,
                               stopping_criteria=criteria)
+    assert torch.equal(out, expected)
+
+
+class StopAtLength(StoppingCriteria):
+    """Answers with a Python bool for the whole batch, as some user criteria do."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids.shape[1] >= self.length
+
+
+@pytest.mark.parametrize("kind", ["eos", "max_length", "python_bool"])
+def test_user_criteria_of_the_loop_s_own_kinds_match_plain(models, inputs, kind):
+    """A user's own EOS and length criteria, tighter than the generation config's, are honoured, not taken for the
+    ones `generate` builds (which the loop applies itself)."""
+    target, draft = models
+    width = inputs["input_ids"].shape[1]
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    criterion = {
+        "eos": lambda: EosTokenCriteria(plain[:, width + 4].tolist()),
+        "max_length": lambda: MaxLengthCriteria(width + 9),
+        "python_bool": lambda: StopAtLength(width + 7),
+    }[kind]()
+    kwargs = dict(do_sample=False, max_new_tokens=20, stopping_criteria=StoppingCriteriaList([criterion]))
+    expected = target.generate(**inputs, eos_token_id=None, **kwargs)
+    out = hf_dynspec.generate(target, **inputs, assistant_model=draft, eos_token_id=None, **kwargs)
+    assert expected.shape[1] < width + 20  # the criterion did stop plain decoding early
+    assert torch.equal(out, expected)
+
+
+def test_int32_input_ids_match_plain(models, inputs):
+    target, draft = models
+    ids = inputs["input_ids"].to(torch.int32)
+    expected = target.generate(input_ids=ids, attention_mask=inputs["attention_mask"], do_sample=False, max_new_tokens=8)
+    out = hf_dynspec.generate(target, input_ids=ids, attention_mask=inputs["attention_mask"], assistant_model=draft,
+                              do_sample=False, max_new_tokens=8)
     assert torch.equal(out, expected)
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import left_padded_prompts, tiny_model
-from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, StaticCache
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    MistralConfig,
+    MistralForCausalLM,
+    StaticCache,
+)
 
 import hf_dynspec
 from hf_dynspec import DraftLengthPolicy, DynSpecConfig
@@ -98,7 +106,7 @@ def test_draft_that_cannot_crop_its_cache(target, inputs):
         num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0,
     )
     sliding = MistralForCausalLM(config).to(torch.float64).eval()
-    with pytest.raises(ValueError, match="cannot hold masked entries or be cropped"):
+    with pytest.raises(ValueError, match="cannot hold masked entries or be cropped.*as the draft model[.]$"):
         run(target, inputs, assistant_model=sliding)
 
 
@@ -146,3 +154,38 @@ def test_gpt2_draft_with_other_vocab(target, inputs):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)).eval()
     with pytest.raises(ValueError, match="vocabulary"):
         hf_dynspec.generate(target, **inputs, assistant_model=gpt2, max_new_tokens=4)
+
+
+def test_config_errors_at_construction():
+    with pytest.raises(ValueError, match="compact_hole_fraction"):
+        DynSpecConfig(compact_hole_fraction=True)
+
+
+def test_policy_name_given_as_config(target, inputs):
+    with pytest.raises(ValueError, match="'static'.* path of a JSON file.*DynSpecConfig[(]policy=...[)]"):
+        run(target, inputs, assistant_model=target, dynspec_config="static")
+
+
+def test_assistant_model_not_a_model(target, inputs):
+    with pytest.raises(ValueError, match="`assistant_model` must be a loaded transformers model, got str"):
+        run(target, inputs, assistant_model="a-draft-id")
+
+
+def test_prefilled_cache(target, inputs):
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=inputs["input_ids"][:, :3], attention_mask=inputs["attention_mask"][:, :3],
+               **{cache_kwarg(target.forward): cache})
+    with pytest.raises(ValueError, match="already holds 3 tokens.*whole prompt"):
+        run(target, inputs, assistant_model=target, **{cache_kwarg(target.forward): cache})
+
+
+def test_pad_token_outside_the_vocabulary(target, inputs):
+    vocab = target.config.vocab_size
+    with pytest.raises(ValueError, match=f"pad_token_id={vocab + 5} is not a token .*0 to {vocab - 1}"):
+        run(target, inputs, assistant_model=target, pad_token_id=vocab + 5, eos_token_id=None)
+
+
+def test_classifier_free_guidance(target, inputs):
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor.*guidance_scale"):
+        run(target, inputs, assistant_model=target, guidance_scale=1.5)

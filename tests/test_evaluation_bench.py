@@ -156,7 +156,7 @@ def test_bad_policy_option_and_unknown_policy():
     with pytest.raises(MethodError, match="POLICY.OPTION=VALUE"):
         methods.parse_policy_options(["window=5"])
     with pytest.raises(MethodError, match="not registered"):
-        methods.check_policies(methods.parse_methods("plain,dynspec-oracle"))
+        methods.parse_methods("plain,dynspec-oracle")
 
 
 # ---- runner ---------------------------------------------------------------------------------------------------------

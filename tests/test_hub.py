@@ -287,6 +287,8 @@ def test_cli_exports_with_settings(tmp_path: Path, capsys: pytest.CaptureFixture
         ("{not json", "--config file .*: Expecting property name"),
         ('{"num_speculative_tokens": -2}', "--config file .*`num_speculative_tokens` must be an integer >= 0"),
         ('{"num_spec_tokens": 2}', r"--config file .*Unknown DynSpecConfig key\(s\) \['num_spec_tokens'\]"),
+        ('{"policy": "statc"}', r"--config file .*Unknown policy 'statc'"),
+        ('{"policy": "goodput", "policy_options": {"windw": 5}}', r"--config file .*windw"),
     ],
 )
 def test_cli_reports_bad_settings(tmp_path: Path, capsys, contents: str | None, message: str) -> None:

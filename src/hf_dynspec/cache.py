@@ -48,7 +48,17 @@ def check_cache_supported(cache: Cache | None, who: str) -> None:
         raise ValueError(
             f"The {who}'s KV cache has layers of type {odd}, which cannot hold masked entries or be cropped and "
             "compacted (sliding-window, linear-attention and quantized layers). Use a model with full attention in "
-            "every layer as the {who}."
+            f"every layer as the {who}."
+        )
+
+
+def check_cache_empty(cache: Cache | None) -> None:
+    """Raise a clear error when the call brings a KV cache that already holds tokens (a prompt prefix)."""
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"`past_key_values` already holds {cache.get_seq_length()} tokens; the speculative loop prefills the whole "
+            "prompt itself (its caches mask rejected entries per row). Pass the whole prompt as `input_ids` and no "
+            "`past_key_values`."
         )
 
 

@@ -26,7 +26,9 @@ GENERATION_CONFIG_KEY = "dynspec"
 class DynSpecConfig:
     """Settings of the speculative loop, passed to `generate` as `dynspec_config=`.
 
-    Every field is validated on construction; an invalid value raises `ValueError` naming the field.
+    Every field is validated on construction; an invalid value raises `ValueError` naming the field. The policy's name
+    and its `policy_options` are checked when the policy is built, at the first `generate` call, so that a config can
+    name a policy registered in `hf_dynspec.policies.POLICIES` after it was made (or saved).
 
     Example:
 
@@ -181,7 +183,8 @@ class DynSpecConfig:
                 f"`prompt_lookup_min_ngram` ({self.prompt_lookup_min_ngram}) must not exceed "
                 f"`prompt_lookup_max_ngram` ({self.prompt_lookup_max_ngram})."
             )
-        if not isinstance(self.compact_hole_fraction, (int, float)) or not 0.0 < self.compact_hole_fraction <= 1.0:
+        fraction = self.compact_hole_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
             raise ValueError(f"`compact_hole_fraction` must be a number in (0, 1], got {self.compact_hole_fraction!r}.")
         if not isinstance(self.policy, str) or not self.policy:
             raise ValueError(f"`policy` must be a policy name such as 'static', got {self.policy!r}.")
@@ -233,6 +236,11 @@ class DynSpecConfig:
         if isinstance(value, dict):
             return cls.from_dict(value)
         if isinstance(value, (str, Path)):
+            if not Path(value).is_file():
+                raise ValueError(
+                    f"`dynspec_config={str(value)!r}` is read as the path of a JSON file, and there is no such file. To "
+                    f"choose a policy, pass DynSpecConfig(policy=...) or a dict such as {{'policy': 'static'}}."
+                )
             return cls.from_json_file(value)
         raise ValueError(
             f"`dynspec_config` must be a DynSpecConfig, a dict or a JSON file path, got {type(value).__name__}."

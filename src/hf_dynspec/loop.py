@@ -13,7 +13,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import RaggedCache, check_cache_supported, generation_cache
+from .cache import RaggedCache, check_cache_empty, check_cache_supported, generation_cache
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
@@ -28,7 +28,7 @@ from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedb
 from .processors import process_logits, process_tree_logits
 from .sequences import TokenBatch
 from .stats import DynSpecStats, StepRecord
-from .validation import validate_inputs
+from .validation import check_logits_processors, validate_inputs
 from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling
 
 
@@ -73,8 +73,10 @@ def speculative_loop(
             across calls).
     """
     assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
+    input_ids = input_ids.long()  # other integer dtypes would not mix with the loop's token buffers
     config = _resolve_config(dynspec_config, generation_config)
     validate_inputs(model, assistant_model, input_ids, generation_config, model_kwargs, synced_gpus, streamer)
+    check_logits_processors(logits_processor)
     run = _Run(model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config)
     run.policy = _policy_for(model, assistant_model, config, dynspec_policy)
     run.streamer = streamer
@@ -98,7 +100,7 @@ class _Run:
         self.generation_config = generation_config
         self.config = config
         self.logits_processor = logits_processor
-        self.extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        self.extra_criteria = [c for c in stopping_criteria if not _applied_by_loop(c, generation_config)]
         self.placement = Placement.of(input_ids.device, model, draft, config.narrow_linear)
         self.decisions = DecisionBroadcast.for_run(model, draft, self.placement)  # rank 0 decides when sharded
         self.do_sample = bool(generation_config.do_sample)
@@ -190,6 +192,7 @@ class _Run:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = generation_cache(model_kwargs)
         check_cache_supported(cache, "target model")
+        check_cache_empty(cache)
         self.target_cache = RaggedCache(
             cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction
         )
@@ -413,7 +416,7 @@ class _Run:
         for row in range(batch.batch_size):
             for i in range(int(counts[row])):
                 prefix = batch.plain_prefix(row, emitted[row, : i + 1])
-                if any(bool(c(prefix, scores[row, i].unsqueeze(0)).any()) for c in self.extra_criteria):
+                if any(bool(torch.as_tensor(c(prefix, scores[row, i].unsqueeze(0))).any()) for c in self.extra_criteria):
                     counts[row], finished[row] = i + 1, True
                     break
         return counts, finished
@@ -496,6 +499,19 @@ def _policy_for(
     if key not in learned:
         learned[key] = build_policy(config)
     return learned[key]
+
+
+def _applied_by_loop(criterion: object, generation_config: GenerationConfig) -> bool:
+    """Whether `criterion` is one of the length and EOS criteria `generate` builds from `generation_config`, which the
+    loop applies itself, row by row: a `MaxLengthCriteria` no tighter than `max_length`, an `EosTokenCriteria` of
+    EOS ids the generation config has. A user's own, tighter ones run as extra criteria."""
+    if isinstance(criterion, MaxLengthCriteria):
+        return criterion.max_length >= generation_config.max_length
+    if isinstance(criterion, EosTokenCriteria):
+        eos = generation_config._eos_token_tensor
+        ids = torch.as_tensor(criterion.eos_token_id).reshape(-1)
+        return eos is not None and bool(torch.isin(ids.to(eos.device), eos.reshape(-1)).all())
+    return False
 
 
 def _parameter_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -19,6 +21,11 @@ def validate_inputs(
 ) -> None:
     """Raise `ValueError` naming the problem and the fix for anything the loop cannot decode exactly."""
     _check_mode(generation_config, synced_gpus)
+    if draft is not None and not isinstance(draft, PreTrainedModel):
+        raise ValueError(
+            f"`assistant_model` must be a loaded transformers model, got {type(draft).__name__}; load it first, e.g. "
+            "AutoModelForCausalLM.from_pretrained(<draft id>)."
+        )
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError(
             f"A streamer was given with batch size {input_ids.shape[0]}; the speculative loop streams batch size 1 "
@@ -30,6 +37,7 @@ def validate_inputs(
         _check_model(draft, "draft model")
         check_vocabularies(model, draft)
     _check_inputs(input_ids, model_kwargs, generation_config)
+    _check_pad(model, generation_config)
 
 
 def check_vocabularies(model: PreTrainedModel, draft: PreTrainedModel) -> None:
@@ -126,4 +134,32 @@ def _check_inputs(input_ids: torch.LongTensor, model_kwargs: dict, generation_co
         raise ValueError(
             f"max_length ({generation_config.max_length}) leaves no room after the {input_ids.shape[1]}-token "
             "prompt; set max_new_tokens >= 1."
+        )
+
+
+def _check_pad(model: PreTrainedModel, generation_config: GenerationConfig) -> None:
+    """The pad id fills draft slots a row leaves empty, which the models read: it must be a token of the vocabulary."""
+    pad = generation_config._pad_token_tensor
+    vocab = model.config.get_text_config().vocab_size
+    if pad is not None and not 0 <= int(pad) < vocab:
+        raise ValueError(
+            f"pad_token_id={int(pad)} is not a token of the target's vocabulary (0 to {vocab - 1}); the speculative loop "
+            "feeds it to the models in place of draft tokens a row does not have. Set pad_token_id to a token of the "
+            "vocabulary (commonly the EOS id), or resize the model's embeddings to the tokenizer."
+        )
+
+
+STATEFUL_PROCESSORS = ("UnbatchedClassifierFreeGuidanceLogitsProcessor",)
+"""Logits processors that keep state across calls (classifier-free guidance runs the model on its own cache): the loop
+scores many candidate prefixes per step, which would corrupt that state."""
+
+
+def check_logits_processors(processors: Iterable) -> None:
+    """Raise a clear error for logits processors the loop cannot apply to speculative prefixes."""
+    stateful = sorted({type(p).__name__ for p in processors if type(p).__name__ in STATEFUL_PROCESSORS})
+    if stateful:
+        raise ValueError(
+            f"{stateful} keep state from one call to the next (classifier-free guidance, `guidance_scale`, runs the "
+            "model on a cache of its own), while the speculative loop scores several draft prefixes per step; the "
+            "output would not match plain decoding. Generate without `guidance_scale`, or with plain `generate`."
         )

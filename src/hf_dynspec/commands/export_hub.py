@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import DynSpecConfig
 from ..hub import export_hub
+from ..policies import build_policy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,11 +53,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_config(path: str | None) -> DynSpecConfig | None:
-    """The settings in the JSON file at `path` (`None` without one); errors name the file."""
+    """The settings in the JSON file at `path` (`None` without one), their policy built once to check its name and
+    options; errors name the file."""
     if path is None:
         return None
     try:
-        return DynSpecConfig.from_json_file(path)
+        config = DynSpecConfig.from_json_file(path)
+        build_policy(config)
+        return config
     except FileNotFoundError as error:
         raise FileNotFoundError(f"--config file {path!r} does not exist.") from error
     except ValueError as error:

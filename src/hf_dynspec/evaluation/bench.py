@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..kernels import narrow_rows
 from .equivalence import classify, summarize
-from .methods import Method, check_policies, parse_methods
+from .methods import Method, parse_methods
 from .models import (
     DTYPE_CHOICES,
     DTYPES,
@@ -283,7 +283,6 @@ def run_benchmark(
     """
 
     methods = parse_methods(settings.methods, settings.policy_options)
-    check_policies(methods)
     if target is None or prompts is None:
         need_draft = any(m.uses_draft and m.draft_variant is None for m in methods)
         loaded_target, loaded_draft, loaded_prompts = load_inputs(settings, need_draft=need_draft)

@@ -152,6 +152,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     if base.startswith("dynspec-"):
         policy, _, tag = base[len("dynspec-") :].partition("@")
         policy = POLICY_ALIASES.get(policy, policy)
+        _check_registered(name, policy)
         options, fields = _config_fields(dict((policy_options or {}).get(f"{policy}@{tag}" if tag else policy, {})))
         settings: dict[str, Any] = {"policy": policy, "policy_options": options, **fields}
         if argument is not None:
@@ -200,16 +201,14 @@ def parse_methods(names: str | list[str], policy_options: dict[str, dict[str, An
     return methods
 
 
-def check_policies(methods: list[Method]) -> None:
-    """Raise `MethodError` when a `dynspec-*` method names a policy that is not registered."""
+def _check_registered(name: str, policy: str) -> None:
+    """Raise `MethodError` when method `name` names a policy that is not registered."""
     from ..policies import POLICIES
 
-    for method in methods:
-        if method.dynspec_config is not None and method.dynspec_config.policy not in POLICIES:
-            raise MethodError(
-                f"Method {method.name!r} needs policy {method.dynspec_config.policy!r}, which is not registered; "
-                f"registered policies: {sorted(POLICIES)}."
-            )
+    if policy not in POLICIES:
+        raise MethodError(
+            f"Method {name!r} needs policy {policy!r}, which is not registered; registered policies: {sorted(POLICIES)}."
+        )
 
 
 def parse_policy_options(
