@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from .placement import unloaded_parameters
 
@@ -149,14 +150,14 @@ def _check_pad(model: PreTrainedModel, generation_config: GenerationConfig) -> N
         )
 
 
-STATEFUL_PROCESSORS = ("UnbatchedClassifierFreeGuidanceLogitsProcessor",)
+STATEFUL_PROCESSORS = (UnbatchedClassifierFreeGuidanceLogitsProcessor,)
 """Logits processors that keep state across calls (classifier-free guidance runs the model on its own cache): the loop
 scores many candidate prefixes per step, which would corrupt that state."""
 
 
 def check_logits_processors(processors: Iterable) -> None:
     """Raise a clear error for logits processors the loop cannot apply to speculative prefixes."""
-    stateful = sorted({type(p).__name__ for p in processors if type(p).__name__ in STATEFUL_PROCESSORS})
+    stateful = sorted({type(p).__name__ for p in processors if isinstance(p, STATEFUL_PROCESSORS)})
     if stateful:
         raise ValueError(
             f"{stateful} keep state from one call to the next (classifier-free guidance, `guidance_scale`, runs the "
