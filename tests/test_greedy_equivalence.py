@@ -159,3 +159,33 @@ def test_property_random_shapes(lengths, k, max_new_tokens, seed, use_eos):
     expected = plain(_TARGET, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
     out = speculative(_TARGET, ids, mask, _DRAFT, k, max_new_tokens=max_new_tokens, eos_token_id=eos)
     assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize("proposer", ["chain", "tree", "lookup"])
+def test_token_buffers_that_grow_every_step_keep_output_identical(pair, monkeypatch, proposer):
+    """The loop's token buffers start at one generated token per row and double as rows need more; rows finishing at
+    different steps (EOS), prefix-dependent processors and every proposer see the same tokens as plain."""
+    from hf_dynspec import loop
+
+    monkeypatch.setattr(loop, "INITIAL_CAPACITY", 1)
+    _, target, drafts = pair
+    ids, mask = left_padded_prompts([4, 9, 6, 11, 3, 8], seed=11)
+    ids = torch.where(mask.bool(), ids % 7 + 3, ids) if proposer == "lookup" else ids
+    eos = _eos_from_plain_output(target, ids, mask)
+    options = dict(max_new_tokens=30, eos_token_id=eos, repetition_penalty=1.2)
+    expected = plain(target, ids, mask, **options)
+    kwargs = {"lookup": dict(prompt_lookup_num_tokens=4), "chain": dict(assistant_model=drafts["mixed"]),
+              "tree": dict(assistant_model=drafts["mixed"], dynspec_config=DynSpecConfig(tree_node_budget=8))}[proposer]
+    out = hf_dynspec.generate(target, input_ids=ids, attention_mask=mask, do_sample=False, **kwargs, **options)
+    assert torch.equal(out, expected)
+
+
+def test_max_new_tokens_far_beyond_eos(pair):
+    """A `max_new_tokens` no buffer could hold, with every row ending at EOS early, decodes as plain does."""
+    _, target, drafts = pair
+    ids, mask = left_padded_prompts([5, 8], seed=3)
+    eos = [int(t) for t in plain(target, ids, mask, max_new_tokens=6)[:, ids.shape[1] + 5]]  # each row's sixth token
+    expected = plain(target, ids, mask, max_new_tokens=10**12, eos_token_id=eos)
+    out = speculative(target, ids, mask, drafts["mixed"], 3, max_new_tokens=10**12, eos_token_id=eos)
+    assert expected.shape[1] <= ids.shape[1] + 6
+    assert torch.equal(out.sequences, expected)

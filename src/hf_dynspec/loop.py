@@ -43,6 +43,10 @@ class DynSpecOutput(GenerateDecoderOnlyOutput):
     dynspec_stats: DynSpecStats | None = None
 
 
+INITIAL_CAPACITY = 256
+"""Generated tokens per row the token buffers hold at first; they double as rows need more (up to `max_new_tokens`)."""
+
+
 def speculative_loop(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -112,8 +116,9 @@ class _Run:
         self.max_draft = self._max_draft_tokens()
         self.max_free = self.config.prompt_lookup_max_tokens if isinstance(self.proposer, HybridProposer) else self.max_draft
         num_rows, width = input_ids.shape
-        max_new = generation_config.max_length - width
-        self.output = input_ids.new_full((num_rows, width + max_new), self.pad_id)
+        self.max_new = generation_config.max_length - width
+        # [rows, width + capacity] each row's tokens once it finishes; grows with the batch's buffer (`TokenBatch`)
+        self.output = input_ids.new_full((num_rows, width + min(self.max_new, INITIAL_CAPACITY)), self.pad_id)
         self.output[:, :width] = input_ids
         self.output_generated = torch.zeros(num_rows, dtype=torch.long, device=input_ids.device)
         self.stats = DynSpecStats(batch_size=num_rows, prompt_length=width)
@@ -202,6 +207,7 @@ class _Run:
             num_prompt=mask.sum(dim=1),
             num_generated=torch.zeros_like(self.output_generated),
             pad_id=self.pad_id,
+            max_new=self.max_new,
         )
         self.proposer.start(batch)
         proposal, drafting = self._prefill_proposal(batch)
@@ -426,7 +432,10 @@ class _Run:
             return batch
         done = finished.nonzero().squeeze(1)
         rows = batch.row_ids[done]
-        self.output[rows] = batch.tokens[done]
+        grow = batch.tokens.shape[1] - self.output.shape[1]
+        if grow > 0:
+            self.output = torch.cat([self.output, self.output.new_full((self.output.shape[0], grow), self.pad_id)], 1)
+        self.output[rows, : batch.tokens.shape[1]] = batch.tokens[done]
         self.output_generated[rows] = batch.num_generated[done]
         keep = (~finished).nonzero().squeeze(1)
         if keep.numel():

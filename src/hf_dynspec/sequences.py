@@ -11,21 +11,26 @@ import torch
 class TokenBatch:
     """Tokens of the active rows.
 
-    Layout of `tokens` (`[batch, prompt_width + max_new_tokens]`): the left-padded prompt as `generate` received it in
+    Layout of `tokens` (`[batch, prompt_width + capacity]`): the left-padded prompt as `generate` received it in
     columns `[0, prompt_width)`, then each row's generated tokens from column `prompt_width` on, followed by `pad_id`.
+    The buffer grows as rows generate (`append`, doubling up to `max_new_tokens`), so a large `max_new_tokens` with
+    an early EOS costs no more per step than a small one.
     A row's *plain prefix* (`tokens[b, :prompt_width + num_generated[b]]`) is exactly the `input_ids` row plain
     `generate` would hold at the same point, so logits processors and stopping criteria see what they would see there.
     """
 
-    tokens: torch.LongTensor  # [batch, prompt_width + max_new_tokens]
+    tokens: torch.LongTensor  # [batch, prompt_width + capacity]
     prompt_width: int
     num_prompt: torch.LongTensor  # [batch] real (non-padding) prompt tokens per row
     num_generated: torch.LongTensor  # [batch] generated tokens per row
     pad_id: int
     row_ids: torch.LongTensor | None = None  # [batch] index of each row in the batch `generate` received
     original_batch_size: int = 0  # rows of the batch `generate` received (defaults to the current batch size)
+    max_new: int | None = None  # tokens a row may generate at most (default: as many as the buffer holds)
 
     def __post_init__(self) -> None:
+        if self.max_new is None:
+            self.max_new = int(self.tokens.shape[1]) - self.prompt_width
         if self.row_ids is None:
             self.row_ids = torch.arange(self.tokens.shape[0], device=self.tokens.device)
         self.original_batch_size = self.original_batch_size or self.tokens.shape[0]
@@ -36,7 +41,7 @@ class TokenBatch:
 
     @property
     def max_new_tokens(self) -> int:
-        return int(self.tokens.shape[1]) - self.prompt_width
+        return self.max_new
 
     @property
     def num_real(self) -> torch.LongTensor:
@@ -94,8 +99,12 @@ class TokenBatch:
         offsets = torch.arange(width, device=self.tokens.device)
         columns = self.prompt_width + self.num_generated.unsqueeze(1) + offsets  # [batch, width]
         keep = offsets.unsqueeze(0) < counts.unsqueeze(1)
-        columns = torch.where(keep, columns, torch.full_like(columns, self.tokens.shape[1]))
-        padded = torch.cat([self.tokens, self.tokens.new_full((self.batch_size, 1), self.pad_id)], dim=1)
+        capacity = int(self.tokens.shape[1]) - self.prompt_width
+        needed = int((self.num_generated + counts).max())
+        grow = max(needed, min(2 * capacity, self.max_new)) - capacity if needed > capacity else 0
+        sink = self.tokens.shape[1] + grow  # the column dropped entries are written to, cut below
+        columns = torch.where(keep, columns, torch.full_like(columns, sink))
+        padded = torch.cat([self.tokens, self.tokens.new_full((self.batch_size, grow + 1), self.pad_id)], dim=1)
         padded.scatter_(1, columns, torch.where(keep, new_tokens, padded.gather(1, columns)))
         self.tokens = padded[:, :-1]
         self.num_generated = self.num_generated + counts
@@ -110,4 +119,5 @@ class TokenBatch:
             pad_id=self.pad_id,
             row_ids=self.row_ids[keep],
             original_batch_size=self.original_batch_size,
+            max_new=self.max_new,
         )
