@@ -26,9 +26,9 @@ from .distributed import DecisionBroadcast
 from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
 from .processors import process_logits, process_tree_logits
-from .sequences import TokenBatch
+from .sequences import TokenBatch, widen
 from .stats import DynSpecStats, StepRecord
-from .validation import check_logits_processors, validate_inputs
+from .validation import validate_inputs
 from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling
 
 
@@ -79,8 +79,9 @@ def speculative_loop(
     assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
     input_ids = input_ids.long()  # other integer dtypes would not mix with the loop's token buffers
     config = _resolve_config(dynspec_config, generation_config)
-    validate_inputs(model, assistant_model, input_ids, generation_config, model_kwargs, synced_gpus, streamer)
-    check_logits_processors(logits_processor)
+    validate_inputs(
+        model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer
+    )
     run = _Run(model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config)
     run.policy = _policy_for(model, assistant_model, config, dynspec_policy)
     run.streamer = streamer
@@ -116,9 +117,9 @@ class _Run:
         self.max_draft = self._max_draft_tokens()
         self.max_free = self.config.prompt_lookup_max_tokens if isinstance(self.proposer, HybridProposer) else self.max_draft
         num_rows, width = input_ids.shape
-        self.max_new = generation_config.max_length - width
+        self.max_new_tokens = generation_config.max_length - width
         # [rows, width + capacity] each row's tokens once it finishes; grows with the batch's buffer (`TokenBatch`)
-        self.output = input_ids.new_full((num_rows, width + min(self.max_new, INITIAL_CAPACITY)), self.pad_id)
+        self.output = input_ids.new_full((num_rows, width + min(self.max_new_tokens, INITIAL_CAPACITY)), self.pad_id)
         self.output[:, :width] = input_ids
         self.output_generated = torch.zeros(num_rows, dtype=torch.long, device=input_ids.device)
         self.stats = DynSpecStats(batch_size=num_rows, prompt_length=width)
@@ -207,7 +208,7 @@ class _Run:
             num_prompt=mask.sum(dim=1),
             num_generated=torch.zeros_like(self.output_generated),
             pad_id=self.pad_id,
-            max_new=self.max_new,
+            max_new_tokens=self.max_new_tokens,
         )
         self.proposer.start(batch)
         proposal, drafting = self._prefill_proposal(batch)
@@ -432,9 +433,8 @@ class _Run:
             return batch
         done = finished.nonzero().squeeze(1)
         rows = batch.row_ids[done]
-        grow = batch.tokens.shape[1] - self.output.shape[1]
-        if grow > 0:
-            self.output = torch.cat([self.output, self.output.new_full((self.output.shape[0], grow), self.pad_id)], 1)
+        if batch.tokens.shape[1] > self.output.shape[1]:
+            self.output = widen(self.output, batch.tokens.shape[1] - self.output.shape[1], self.pad_id)
         self.output[rows, : batch.tokens.shape[1]] = batch.tokens[done]
         self.output_generated[rows] = batch.num_generated[done]
         keep = (~finished).nonzero().squeeze(1)

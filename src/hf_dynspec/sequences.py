@@ -26,11 +26,11 @@ class TokenBatch:
     pad_id: int
     row_ids: torch.LongTensor | None = None  # [batch] index of each row in the batch `generate` received
     original_batch_size: int = 0  # rows of the batch `generate` received (defaults to the current batch size)
-    max_new: int | None = None  # tokens a row may generate at most (default: as many as the buffer holds)
+    max_new_tokens: int | None = None  # tokens a row may generate at most (default: as many as the buffer holds)
 
     def __post_init__(self) -> None:
-        if self.max_new is None:
-            self.max_new = int(self.tokens.shape[1]) - self.prompt_width
+        if self.max_new_tokens is None:
+            self.max_new_tokens = int(self.tokens.shape[1]) - self.prompt_width
         if self.row_ids is None:
             self.row_ids = torch.arange(self.tokens.shape[0], device=self.tokens.device)
         self.original_batch_size = self.original_batch_size or self.tokens.shape[0]
@@ -38,10 +38,6 @@ class TokenBatch:
     @property
     def batch_size(self) -> int:
         return int(self.tokens.shape[0])
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.max_new
 
     @property
     def num_real(self) -> torch.LongTensor:
@@ -101,10 +97,10 @@ class TokenBatch:
         keep = offsets.unsqueeze(0) < counts.unsqueeze(1)
         capacity = int(self.tokens.shape[1]) - self.prompt_width
         needed = int((self.num_generated + counts).max())
-        grow = max(needed, min(2 * capacity, self.max_new)) - capacity if needed > capacity else 0
+        grow = max(needed, min(2 * capacity, self.max_new_tokens)) - capacity if needed > capacity else 0
         sink = self.tokens.shape[1] + grow  # the column dropped entries are written to, cut below
         columns = torch.where(keep, columns, torch.full_like(columns, sink))
-        padded = torch.cat([self.tokens, self.tokens.new_full((self.batch_size, grow + 1), self.pad_id)], dim=1)
+        padded = widen(self.tokens, grow + 1, self.pad_id)
         padded.scatter_(1, columns, torch.where(keep, new_tokens, padded.gather(1, columns)))
         self.tokens = padded[:, :-1]
         self.num_generated = self.num_generated + counts
@@ -119,5 +115,10 @@ class TokenBatch:
             pad_id=self.pad_id,
             row_ids=self.row_ids[keep],
             original_batch_size=self.original_batch_size,
-            max_new=self.max_new,
+            max_new_tokens=self.max_new_tokens,
         )
+
+
+def widen(tokens: torch.LongTensor, columns: int, pad_id: int) -> torch.LongTensor:
+    """`tokens` (`[rows, width]`) followed by `columns` columns of `pad_id`: `[rows, width + columns]`."""
+    return torch.cat([tokens, tokens.new_full((tokens.shape[0], columns), pad_id)], dim=1)

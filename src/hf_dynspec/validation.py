@@ -16,6 +16,7 @@ def validate_inputs(
     draft: PreTrainedModel | None,
     input_ids: torch.LongTensor,
     generation_config: GenerationConfig,
+    logits_processor: Iterable,
     model_kwargs: dict,
     synced_gpus: bool,
     streamer=None,
@@ -39,6 +40,7 @@ def validate_inputs(
         check_vocabularies(model, draft)
     _check_inputs(input_ids, model_kwargs, generation_config)
     _check_pad(model, generation_config)
+    _check_logits_processors(logits_processor)
 
 
 def check_vocabularies(model: PreTrainedModel, draft: PreTrainedModel) -> None:
@@ -155,7 +157,7 @@ STATEFUL_PROCESSORS = (UnbatchedClassifierFreeGuidanceLogitsProcessor,)
 scores many candidate prefixes per step, which would corrupt that state."""
 
 
-def check_logits_processors(processors: Iterable) -> None:
+def _check_logits_processors(processors: Iterable) -> None:
     """Raise a clear error for logits processors the loop cannot apply to speculative prefixes."""
     stateful = sorted({type(p).__name__ for p in processors if isinstance(p, STATEFUL_PROCESSORS)})
     if stateful:
