@@ -102,8 +102,14 @@ def test_negative_lengths(target, inputs):
 
 def test_draft_that_cannot_crop_its_cache(target, inputs):
     config = MistralConfig(
-        vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0,
+        vocab_size=target.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        pad_token_id=0,
     )
     sliding = MistralForCausalLM(config).to(torch.float64).eval()
     with pytest.raises(ValueError, match="cannot hold masked entries or be cropped.*as the draft model[.]$"):
@@ -174,8 +180,11 @@ def test_assistant_model_not_a_model(target, inputs):
 def test_prefilled_cache(target, inputs):
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(input_ids=inputs["input_ids"][:, :3], attention_mask=inputs["attention_mask"][:, :3],
-               **{cache_kwarg(target.forward): cache})
+        target(
+            input_ids=inputs["input_ids"][:, :3],
+            attention_mask=inputs["attention_mask"][:, :3],
+            **{cache_kwarg(target.forward): cache},
+        )
     with pytest.raises(ValueError, match="already holds 3 tokens.*whole prompt"):
         run(target, inputs, assistant_model=target, **{cache_kwarg(target.forward): cache})
 
@@ -189,3 +198,37 @@ def test_pad_token_outside_the_vocabulary(target, inputs):
 def test_classifier_free_guidance(target, inputs):
     with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor.*guidance_scale"):
         run(target, inputs, assistant_model=target, guidance_scale=1.5)
+
+
+def test_assistant_early_exit(target, inputs):
+    with pytest.raises(ValueError, match="assistant_early_exit=1 .* pass a separate `assistant_model`"):
+        hf_dynspec.generate(target, **inputs, assistant_model=target, assistant_early_exit=1, max_new_tokens=5)
+
+
+def test_assistant_ensemble_weight(target, inputs):
+    with pytest.raises(ValueError, match="assistant_ensemble_weight=0.5 asks for a lossy ensemble"):
+        hf_dynspec.generate(
+            target, **inputs, assistant_model=target, assistant_ensemble_weight=0.5, do_sample=True, max_new_tokens=5
+        )
+
+
+def test_assisted_draft_length_settings_warn(target, inputs, caplog):
+    """transformers' draft-length settings do not apply: a warning names the ones given, the defaults stay silent."""
+    with caplog.at_level("WARNING", logger="hf_dynspec.validation"):
+        hf_dynspec.generate(target, **inputs, assistant_model=target, max_new_tokens=3)
+    assert not [r for r in caplog.records if r.name == "hf_dynspec.validation"]
+    with caplog.at_level("WARNING", logger="hf_dynspec.validation"):
+        out = hf_dynspec.generate(
+            target,
+            **inputs,
+            assistant_model=target,
+            max_new_tokens=3,
+            num_assistant_tokens=7,
+            num_assistant_tokens_schedule="heuristic",
+        )
+    messages = [r.getMessage() for r in caplog.records if r.name == "hf_dynspec.validation"]
+    assert len(messages) == 1
+    assert messages[0].startswith("num_assistant_tokens=7, num_assistant_tokens_schedule='heuristic': transformers'")
+    assert "DynSpecConfig.num_speculative_tokens" in messages[0]
+    plain = target.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, plain)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -9,6 +10,11 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from .placement import unloaded_parameters
+
+logger = logging.getLogger(__name__)
+
+# transformers' assisted-generation draft-length settings, which the loop's policies replace.
+DRAFT_LENGTH_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 def validate_inputs(
@@ -34,6 +40,7 @@ def validate_inputs(
             "only (rows advance by different numbers of tokens per step). Generate without a streamer, or per row."
         )
     _check_proposer(draft, generation_config)
+    _check_assistant_settings(generation_config)
     _check_model(model, "target model")
     if draft is not None:
         _check_model(draft, "draft model")
@@ -93,6 +100,34 @@ def _check_proposer(draft: PreTrainedModel | None, generation_config: Generation
         raise ValueError(
             "Both `assistant_model` and `prompt_lookup_num_tokens` were given; choose one proposer (drop "
             "`prompt_lookup_num_tokens` to draft with the assistant model)."
+        )
+
+
+def _check_assistant_settings(generation_config: GenerationConfig) -> None:
+    """Reject transformers' lossy or self-drafting assisted modes; warn that its draft-length settings do not apply."""
+    if getattr(generation_config, "assistant_early_exit", None) is not None:
+        raise ValueError(
+            f"assistant_early_exit={generation_config.assistant_early_exit} (drafting with the target's own first "
+            "layers) is not supported by the speculative loop; pass a separate `assistant_model` instead."
+        )
+    if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+        raise ValueError(
+            f"assistant_ensemble_weight={generation_config.assistant_ensemble_weight} asks for a lossy ensemble of "
+            "draft and target; the speculative loop only samples from the target's own distribution. Drop "
+            "`assistant_ensemble_weight`, or use plain transformers generate for the ensemble."
+        )
+    defaults = GenerationConfig._get_default_generation_params()
+    changed = {
+        name: getattr(generation_config, name, None)
+        for name in DRAFT_LENGTH_SETTINGS
+        if getattr(generation_config, name, None) not in (None, defaults.get(name))
+    }
+    if changed:
+        logger.warning_once(
+            "%s: transformers' assisted-generation settings do not apply to hf_dynspec's loop, whose draft-length "
+            "policy chooses each row's length (at most `DynSpecConfig.num_speculative_tokens`). Set that, or choose "
+            "the `heuristic` or `confidence` policy for transformers' rules.",
+            ", ".join(f"{name}={value!r}" for name, value in changed.items()),
         )
 
 
