@@ -9,7 +9,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = 96
@@ -23,6 +25,23 @@ def evaluation_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
+
+
+def word_tokenizer(
+    vocab: int = VOCAB, specials: dict[str, int] | None = None
+) -> PreTrainedTokenizerFast:
+    """A left-padding word-level tokenizer for the tiny models: `specials` maps roles of `SPECIAL_TOKENS` to ids (the
+    tiny models' pad, bos and eos by default), every other id below `vocab` is the word `w<id>`."""
+    specials = specials if specials is not None else {"pad": PAD, "bos": BOS, "eos": EOS}
+    words = {SPECIAL_TOKENS[role]: index for role, index in specials.items()}
+    words |= {f"w{index}": index for index in range(vocab) if index not in specials.values()}
+    backend = Tokenizer(WordLevel(words, unk_token=SPECIAL_TOKENS["unk"] if "unk" in specials else None))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokens = {f"{role}_token": SPECIAL_TOKENS[role] for role in specials}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left", **tokens)
 
 
 FAMILIES = {

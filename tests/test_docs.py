@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from conftest import tiny_model, word_tokenizer
+from transformers import LlamaForCausalLM
 
 from hf_dynspec.commands import export_hub as export_hub_command
 
@@ -33,16 +32,6 @@ def code_blocks(page: str) -> list[tuple[str, str]]:
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     return tiny_model("llama", seed, vocab=100, dtype=torch.float32, initializer_range=0.02,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 100)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        padding_side="left",
-    )
 
 
 def run_export_hub(command: str) -> None:
@@ -69,14 +58,14 @@ def run_page(page: str, namespace: dict) -> int:
 def namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """What the pages' model-loading blocks define, with tiny models; the working directory is a fresh folder."""
     monkeypatch.chdir(tmp_path)
-    tokenizer = tiny_tokenizer()
+    tokenizer = word_tokenizer(100, {"pad": 0, "bos": 1, "eos": 2, "unk": 3})
     inputs = tokenizer(["w5 w6 w7 w8 w5 w6", "w9 w10"], return_tensors="pt", padding=True)
     return {"model": tiny_llama(0), "draft": tiny_llama(1), "tokenizer": tokenizer, "inputs": inputs}
 
 
 def test_quickstart_blocks_run(namespace: dict) -> None:
     ran = run_page("quickstart.md", namespace)
-    assert ran == 14
+    assert ran == 15
     assert Path("my-dynspec/custom_generate/generate.py").is_file()
     assert namespace["stats"].batch_size == 2
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import left_padded_prompts, perturbed, tiny_model
-from transformers import StoppingCriteria, StoppingCriteriaList
+from conftest import left_padded_prompts, perturbed, tiny_model, word_tokenizer
+from transformers import StoppingCriteria, StoppingCriteriaList, pipeline
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
@@ -54,6 +54,26 @@ def test_enable_and_disable(inputs):
     hf_dynspec.disable(target)
     with pytest.raises(ValueError, match="batch_size = 1"):
         target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=12)
+
+
+def test_enable_serves_text_generation_pipelines():
+    """A pipeline over an enabled model runs the loop (batched, which transformers' assisted loop refuses) and gives
+    plain greedy's text."""
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    prompts = ["w5 w9 w17", "w40 w3 w8 w8 w12 w61", "w7"]
+    kwargs = dict(max_new_tokens=10, do_sample=False, batch_size=3)
+    generator = pipeline("text-generation", model=target, tokenizer=word_tokenizer())
+    expected = generator(prompts, **kwargs)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        generator(prompts, assistant_model=draft, **kwargs)
+    hf_dynspec.enable(target)
+    try:
+        assert generator(prompts, assistant_model=draft, **kwargs) == expected
+        assert generator(prompts, prompt_lookup_num_tokens=3, **kwargs) == expected
+    finally:
+        hf_dynspec.disable(target)
+    assert all(len(out[0]["generated_text"].split()) > len(prompt.split()) for out, prompt in zip(expected, prompts))
 
 
 def test_proposers_inside_transformers_batch_one_loop(models):
