@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
+from conftest import tiny_model, word_tokenizer
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_dynspec
 from hf_dynspec.commands import export_hub as export_hub_command
@@ -26,15 +25,6 @@ PAD, BOS, EOS = 0, 1, 2
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     return tiny_model("llama", seed, vocab=100, dtype=torch.float32, initializer_range=0.02,
                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, "<unk>": 3, **{f"w{i}": i for i in range(4, 100)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +214,7 @@ def test_folder_without_settings_uses_defaults(exported: Path, target, draft) ->
 def model_dir(tmp_path: Path) -> Path:
     path = tmp_path / "tiny-target"
     tiny_llama(0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
+    word_tokenizer(100, {"pad": PAD, "bos": BOS, "eos": EOS, "unk": 3}).save_pretrained(path)
     return path
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import cpu_offload, init_empty_weights
-from conftest import left_padded_prompts, perturbed, tiny_model
+from conftest import left_padded_prompts, perturbed, tiny_model, word_tokenizer
 from test_sampling import NEW, assert_converges, exact_joint, sample_loop
 from transformers import (
     AutoModelForCausalLM,
@@ -325,15 +325,6 @@ def test_load_model_offloads_and_quantizes_as_asked(saved, tmp_path):
     assert offloaded.hf_dynspec_load["max_memory"] == {"cpu": "64KiB"}
     quantized = models.load_model(location, models.LoadOptions(dtype="float32", quantization="8bit"))
     assert quantized.is_loaded_in_8bit and quantized.hf_dynspec_load["quantization"] == "8bit"
-
-
-def word_tokenizer(vocab: int):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    words = {f"w{i}": i for i in range(vocab)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(words, unk_token="w0")), unk_token="w0")
 
 
 def test_gguf_models_are_dequantized_once_into_a_checkpoint(saved, tmp_path, monkeypatch):
