@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import tracemalloc
 from dataclasses import replace
 
 import numpy as np
@@ -36,8 +37,9 @@ from hf_dynspec.policies import (
     best_draft_lengths,
     build_policy,
 )
+from hf_dynspec.policies import goodput as goodput_module
 from hf_dynspec.policies.confidence import RATE_EDGES, ConfidenceStopper, acceptance_rates, best_threshold
-from hf_dynspec.policies.goodput import candidate_lengths
+from hf_dynspec.policies.goodput import Candidates, candidate_lengths
 
 # The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
 VLLM_EAGLE = """{
@@ -755,3 +757,63 @@ def test_hybrid_learns_that_copies_are_accepted_where_other_lookups_are_not() ->
 def test_copy_options_are_checked(option) -> None:
     with pytest.raises(ValueError, match=next(iter(option))):
         GoodputSettings(**option)
+
+
+# ---- goodput: the search at scale ----------------------------------------------------------------------------------
+class VectorsOnly(StepCostModel):
+    """A padded model that hides `summary_seconds`, so the search prices length vectors."""
+
+    def __init__(self, model: PaddedCostModel) -> None:
+        self.model = model
+
+    def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
+        return self.model.step_seconds(batch_size, lengths)
+
+    def candidate_seconds(self, batch_size: int, lengths: torch.LongTensor) -> torch.Tensor:
+        return self.model.candidate_seconds(batch_size, lengths)
+
+
+def scale_cost_model() -> PaddedCostModel:
+    verify = PiecewiseLinear.fit({1: (1.0, 1.0), 64: (1.05, 1.0), 512: (1.2, 1.0), 16384: (3.0, 1.0)})
+    return PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.05, 1.0), 1024: (0.1, 1.0)}))
+
+
+def test_candidate_summaries_match_their_length_vectors() -> None:
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        batch, max_k = 1 + trial % 13, 1 + trial % 8
+        acceptance = (torch.rand(batch, generator=generator, dtype=torch.float64) * 4).round() / 4  # with ties
+        caps = torch.randint(0, max_k + 1, (batch,), generator=generator)
+        candidates = Candidates.build(acceptance, caps, max_k)
+        lengths = candidates.lengths()  # [candidates, batch]
+        assert candidates.longest.tolist() == lengths.max(axis=1).tolist()
+        assert candidates.total.tolist() == lengths.sum(axis=1).tolist()
+        assert (lengths <= candidates.bound[:, None]).all() and (lengths <= caps.numpy()).all()
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 21])
+def test_search_by_summaries_equals_search_by_vectors(monkeypatch, chunk) -> None:
+    """The built-in models price summaries; with vectors instead (in chunks of `chunk` entries) the choice is the same,
+    ties included."""
+    monkeypatch.setattr(goodput_module, "CHUNK_ELEMENTS", chunk)
+    model, generator = scale_cost_model(), torch.Generator().manual_seed(5)
+    for trial in range(80):
+        batch, max_k = 1 + (trial * 7) % 40, 1 + trial % 8
+        acceptance = (torch.rand(batch, generator=generator, dtype=torch.float64) * 8).round() / 8
+        caps = torch.randint(0, max_k + 1, (batch,), generator=generator)
+        options = dict(min_gain=0.02 * (trial % 3), share_per_token=0.005 * (trial % 2))
+        by_summary = best_draft_lengths(acceptance, caps, max_k, model, **options)
+        assert torch.equal(by_summary, best_draft_lengths(acceptance, caps, max_k, VectorsOnly(model), **options))
+
+
+def test_search_memory_is_linear_in_the_batch_size() -> None:
+    """At batch 1024 the candidates' length vectors would take 0.7 GB; the search by summaries takes a few MB."""
+    acceptance = torch.rand(1024, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tracemalloc.start()
+    try:
+        chosen = best_draft_lengths(acceptance, torch.full((1024,), 8), 8, scale_cost_model())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, peak
+    assert chosen.shape == (1024,) and int(chosen.max()) > 0
