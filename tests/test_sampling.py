@@ -96,11 +96,11 @@ def small_vocab_pair():
     return target, perturbed(target, scale=0.3, seed=8)
 
 
-def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList) -> torch.Tensor:
-    """Probability of every continuation of `NEW` tokens under `model` with `processors`: `[VOCAB ** NEW]`."""
+def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList, new: int = NEW) -> torch.Tensor:
+    """Probability of every continuation of `new` tokens under `model` with `processors`: `[VOCAB ** new]`."""
     joint = torch.ones(1)
     prefixes = prompt.unsqueeze(0)  # [1, length]
-    for _ in range(NEW):
+    for _ in range(new):
         logits = model(prefixes).logits[:, -1].float()
         probs = processors(prefixes, logits).softmax(dim=-1)  # [num_prefixes, vocab]
         joint = (joint.unsqueeze(1) * probs).reshape(-1)
@@ -110,7 +110,8 @@ def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList) ->
     return joint
 
 
-def sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence=None) -> torch.Tensor:
+def sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence=None, new=NEW) -> torch.Tensor:
+    """`[n]` codes of the `new` sampled tokens of `n` copies of `prompt` (base `VOCAB`, first token most significant)."""
     ids = prompt.unsqueeze(0).expand(n, -1)
     out = target.generate(
         input_ids=ids,
@@ -119,15 +120,25 @@ def sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confide
         temperature=temperature,
         top_k=top_k,
         top_p=None,
-        max_new_tokens=NEW,
+        max_new_tokens=new,
         assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop,
         dynspec_config=DynSpecConfig(
             policy="static", num_speculative_tokens=k, prefill_draft_confidence=prefill_confidence
         ),
     )
-    generated = out[:, prompt.shape[0] :]  # [n, NEW]
-    return (generated * torch.tensor([VOCAB**i for i in reversed(range(NEW))])).sum(dim=1)
+    generated = out[:, prompt.shape[0] :]  # [n, new]
+    return (generated * torch.tensor([VOCAB**i for i in reversed(range(new))])).sum(dim=1)
+
+
+LOOP_NEW = 5
+"""Tokens the loop test samples: the prefill's token, then up to 3 drafts and the target's token in one step (drafts
+stop a token short of the end, so 3 new tokens would test drafts of at most 1 token)."""
+
+
+def windows(codes: torch.Tensor, new: int = LOOP_NEW) -> dict[str, torch.Tensor]:
+    """Codes of the first three and the last three of `new` tokens, from codes of all `new` (`[n]` each)."""
+    return {"first": codes // VOCAB ** (new - NEW), "last": codes % VOCAB**NEW}
 
 
 @pytest.mark.parametrize(
@@ -140,12 +151,18 @@ def test_loop_samples_follow_target_distribution(small_vocab_pair, k, prefill_co
     temperature, top_k = 0.9, 5
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
     with torch.no_grad():
-        joint = exact_joint(target, prompt, processors)
+        joint = exact_joint(target, prompt, processors, LOOP_NEW).reshape([VOCAB] * LOOP_NEW)
+    laws = {"first": joint.sum(dim=(3, 4)).reshape(-1), "last": joint.sum(dim=(0, 1)).reshape(-1)}
     torch.manual_seed(k if prefill_confidence is None else 5)
-    assert_converges(
-        lambda n: sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence), joint,
-        sizes=(200, 2_000, 20_000),
-    )
+    samples: dict[int, torch.Tensor] = {}  # draws per sample size, shared by both windows
+
+    def draw(n: int) -> torch.Tensor:
+        if n not in samples:
+            samples[n] = sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence, LOOP_NEW)
+        return samples[n]
+
+    for window, law in laws.items():
+        assert_converges(lambda n, window=window: windows(draw(n))[window], law, sizes=(200, 2_000, 20_000))
 
 
 def test_seeded_sampling_is_reproducible(small_vocab_pair):
