@@ -115,6 +115,44 @@ def test_processors_match_plain(pair):
     assert torch.equal(out.sequences, expected)
 
 
+def allowed_after(batch_id: int, prefix: torch.LongTensor) -> list[int]:
+    """`prefix_allowed_tokens_fn` that depends on the row and on the prefix's last token."""
+    odd = (batch_id + int(prefix[-1])) % 2
+    return list(range(3, 60)) if odd else list(range(30, 96))
+
+
+GENERATE_PROCESSORS = {
+    "bad_words_ids": dict(bad_words_ids=[[62], [23, 23], [89, 77, 21]]),
+    "sequence_bias": dict(sequence_bias={(23,): -5.0, (89, 77): 3.0, (23, 23, 62): 4.0}),
+    "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=allowed_after),
+    "suppress_tokens": dict(suppress_tokens=[23, 89], begin_suppress_tokens=[21, 84]),
+    "forced_eos_token_id": dict(forced_eos_token_id=EOS, max_new_tokens=9),
+    "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(3, 1.5), eos_token_id=EOS),
+    "min_length": dict(min_length=14, eos_token_id=23),  # 23: a token these rows generate early
+    "renormalize_logits": dict(renormalize_logits=True, repetition_penalty=1.4),
+}
+
+
+@pytest.mark.parametrize("name", GENERATE_PROCESSORS)
+def test_every_generate_processor_matches_plain(name):
+    """Each of `generate`'s prefix- and length-dependent processors, through a chain, a tree and prompt lookup."""
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, scale=0.05)
+    ids, mask = left_padded_prompts([5, 9, 3, 7], seed=2)
+    options = {"max_new_tokens": 20, **GENERATE_PROCESSORS[name]}
+    expected = plain(target, ids, mask, **options)
+    unprocessed = plain(target, ids, mask, max_new_tokens=options["max_new_tokens"])
+    assert not torch.equal(expected, unprocessed), "the processor changes nothing here: the test would prove nothing"
+    chain = DynSpecConfig(policy="static", num_speculative_tokens=4)
+    tree = DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=8)
+    for config, proposer in ((chain, dict(assistant_model=draft)), (tree, dict(assistant_model=draft)),
+                             (chain, dict(prompt_lookup_num_tokens=3))):
+        out = hf_dynspec.generate(
+            target, input_ids=ids, attention_mask=mask, do_sample=False, dynspec_config=config, **proposer, **options
+        )
+        assert torch.equal(out, expected), (name, config.tree_node_budget, list(proposer))
+
+
 def test_float32_models_match_plain():
     target = tiny_model("llama", seed=3, dtype=torch.float32)
     draft = perturbed(target, scale=0.05)
