@@ -116,7 +116,7 @@ def _check_assistant_settings(generation_config: GenerationConfig) -> None:
             "draft and target; the speculative loop only samples from the target's own distribution. Drop "
             "`assistant_ensemble_weight`, or use plain transformers generate for the ensemble."
         )
-    defaults = GenerationConfig._get_default_generation_params()
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # what generate fills in if unset
     changed = {
         name: getattr(generation_config, name, None)
         for name in DRAFT_LENGTH_SETTINGS
