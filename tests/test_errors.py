@@ -102,14 +102,8 @@ def test_negative_lengths(target, inputs):
 
 def test_draft_that_cannot_crop_its_cache(target, inputs):
     config = MistralConfig(
-        vocab_size=target.config.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-        pad_token_id=0,
+        vocab_size=target.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0,
     )
     sliding = MistralForCausalLM(config).to(torch.float64).eval()
     with pytest.raises(ValueError, match="cannot hold masked entries or be cropped.*as the draft model[.]$"):
@@ -180,11 +174,8 @@ def test_assistant_model_not_a_model(target, inputs):
 def test_prefilled_cache(target, inputs):
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(
-            input_ids=inputs["input_ids"][:, :3],
-            attention_mask=inputs["attention_mask"][:, :3],
-            **{cache_kwarg(target.forward): cache},
-        )
+        target(input_ids=inputs["input_ids"][:, :3], attention_mask=inputs["attention_mask"][:, :3],
+               **{cache_kwarg(target.forward): cache})
     with pytest.raises(ValueError, match="already holds 3 tokens.*whole prompt"):
         run(target, inputs, assistant_model=target, **{cache_kwarg(target.forward): cache})
 
