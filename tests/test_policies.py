@@ -39,7 +39,7 @@ from hf_dynspec.policies import (
 )
 from hf_dynspec.policies import goodput as goodput_module
 from hf_dynspec.policies.confidence import RATE_EDGES, ConfidenceStopper, acceptance_rates, best_threshold
-from hf_dynspec.policies.goodput import Candidates, candidate_lengths
+from hf_dynspec.policies.goodput import Candidates
 
 # The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
 VLLM_EAGLE = """{
@@ -154,7 +154,8 @@ def test_goodput_search_is_exact_at_batch_8_with_heterogeneous_rows() -> None:
 def test_candidates_include_plain_decoding_and_respect_caps() -> None:
     acceptance = torch.tensor([0.9, 0.5, 0.2], dtype=torch.float64)
     caps = torch.tensor([4, 0, 2])
-    lengths, tokens = candidate_lengths(acceptance, caps, 4)
+    candidates = Candidates.build(acceptance, caps, 4)
+    lengths, tokens = torch.from_numpy(candidates.lengths()), torch.from_numpy(candidates.tokens)
     assert lengths[0].tolist() == [0, 0, 0] and float(tokens[0]) == 3.0
     assert bool((lengths <= caps).all())
     torch.testing.assert_close(tokens, expected_tokens(acceptance.expand(len(lengths), 3).reshape(-1),

@@ -147,16 +147,6 @@ class Candidates:
         return seconds
 
 
-def candidate_lengths(
-    acceptance: torch.Tensor, caps: torch.LongTensor, max_draft_tokens: int
-) -> tuple[torch.LongTensor, torch.Tensor]:
-    """Every candidate of the exact search (see [`Candidates`]) as `lengths` `[num_candidates, batch]` (row 0 is all
-    zeros: plain decoding) and its expected emitted `tokens` `[num_candidates]`. Memory grows with the batch size
-    squared: the search itself uses [`Candidates`], which need not build these vectors."""
-    candidates = Candidates.build(acceptance, caps, max_draft_tokens)
-    return torch.from_numpy(candidates.lengths()), torch.from_numpy(candidates.tokens)
-
-
 def best_draft_lengths(
     acceptance: torch.Tensor,
     caps: torch.LongTensor,
