@@ -76,6 +76,51 @@ def test_enable_serves_text_generation_pipelines():
     assert all(len(out[0]["generated_text"].split()) > len(prompt.split()) for out, prompt in zip(expected, prompts))
 
 
+@pytest.mark.parametrize("entry", ["generate", "positional", "enable"])
+def test_num_return_sequences_repeat_each_prompt(models, inputs, entry):
+    """With sampling, `num_return_sequences=n` gives the rows of the batch with every prompt repeated `n` times, token
+    for token under the same seed (each row samples on its own), in plain `generate`'s order."""
+    target, draft = models
+    copies, kwargs = 3, dict(do_sample=True, temperature=1.5, max_new_tokens=12, assistant_model=draft,
+                             dynspec_config=DynSpecConfig(policy="static"))
+    repeated = {key: value.repeat_interleave(copies, dim=0) for key, value in inputs.items()}
+    torch.manual_seed(0)
+    expected = hf_dynspec.generate(target, **repeated, **kwargs)
+    torch.manual_seed(0)
+    if entry == "generate":
+        out = hf_dynspec.generate(target, **inputs, num_return_sequences=copies, **kwargs)
+    elif entry == "positional":
+        out = hf_dynspec.generate(target, inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                  num_return_sequences=copies, **kwargs)
+    else:
+        hf_dynspec.enable(target)
+        try:
+            out = target.generate(**inputs, num_return_sequences=copies, **kwargs)
+        finally:
+            hf_dynspec.disable(target)
+    assert torch.equal(out, expected)
+    prompt_width = inputs["input_ids"].shape[1]
+    assert torch.equal(out[:, :prompt_width], repeated["input_ids"])
+    samples = out[:, prompt_width:].reshape(len(inputs["input_ids"]), copies, -1)  # [prompts, copies, new]
+    assert any(len({tuple(row.tolist()) for row in prompt}) > 1 for prompt in samples)  # copies sample apart
+
+
+def test_pipelines_return_several_samples_per_prompt():
+    """`num_return_sequences` through a text-generation pipeline over an enabled model: n texts per prompt."""
+    target = tiny_model("llama", seed=0)
+    generator = pipeline("text-generation", model=hf_dynspec.enable(target), tokenizer=word_tokenizer())
+    prompts = ["w5 w9 w17", "w40 w3 w8 w8 w12 w61"]
+    try:
+        outputs = generator(prompts, assistant_model=perturbed(target, scale=0.05), do_sample=True,
+                            num_return_sequences=3, max_new_tokens=8, batch_size=2)
+    finally:
+        hf_dynspec.disable(target)
+    assert [len(texts) for texts in outputs] == [3, 3]
+    for prompt, texts in zip(prompts, outputs):
+        assert all(text["generated_text"].startswith(prompt) for text in texts)
+        assert all(len(text["generated_text"].split()) > len(prompt.split()) for text in texts)
+
+
 def test_proposers_inside_transformers_batch_one_loop(models):
     """As `CandidateGenerator`s, both proposers drive transformers' own assisted loop at batch size 1."""
     target, draft = models

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -110,19 +111,25 @@ def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList, ne
     return joint
 
 
-def sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence=None, new=NEW) -> torch.Tensor:
-    """`[n]` codes of the `new` sampled tokens of `n` copies of `prompt` (base `VOCAB`, first token most significant)."""
-    ids = prompt.unsqueeze(0).expand(n, -1)
-    out = target.generate(
+def sample_loop(
+    target, draft, prompt, k, n, temperature, top_k, prefill_confidence=None, new=NEW, return_sequences=False
+) -> torch.Tensor:
+    """`[n]` codes of the `new` sampled tokens of `n` copies of `prompt` (base `VOCAB`, first token most significant):
+    `n` rows of the batch, or with `return_sequences` one row and `num_return_sequences=n` (`hf_dynspec.generate`)."""
+    copies = n if return_sequences else 1
+    ids = prompt.unsqueeze(0).expand(n // copies, -1)
+    run = functools.partial(hf_dynspec.generate, target) if return_sequences else target.generate
+    out = run(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
+        num_return_sequences=copies,
         do_sample=True,
         temperature=temperature,
         top_k=top_k,
         top_p=None,
         max_new_tokens=new,
         assistant_model=draft,
-        custom_generate=hf_dynspec.speculative_loop,
+        **({} if return_sequences else {"custom_generate": hf_dynspec.speculative_loop}),
         dynspec_config=DynSpecConfig(
             policy="static", num_speculative_tokens=k, prefill_draft_confidence=prefill_confidence
         ),
@@ -142,10 +149,15 @@ def windows(codes: torch.Tensor, new: int = LOOP_NEW) -> dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize(
-    ("k", "prefill_confidence"),
-    [(1, None), (3, None), (3, 0.5)],  # 0.5: the prefill verifies drafts ended by their own sampled probabilities
+    ("k", "prefill_confidence", "return_sequences"),
+    [
+        (1, None, False),
+        (3, None, False),
+        (3, 0.5, False),  # the prefill verifies drafts ended by their own sampled probabilities
+        (3, None, True),  # one prompt, `num_return_sequences=n`
+    ],
 )
-def test_loop_samples_follow_target_distribution(small_vocab_pair, k, prefill_confidence):
+def test_loop_samples_follow_target_distribution(small_vocab_pair, k, prefill_confidence, return_sequences):
     target, draft = small_vocab_pair
     prompt = torch.tensor([3, 4, 5, 3, 2])
     temperature, top_k = 0.9, 5
@@ -153,12 +165,13 @@ def test_loop_samples_follow_target_distribution(small_vocab_pair, k, prefill_co
     with torch.no_grad():
         joint = exact_joint(target, prompt, processors, LOOP_NEW).reshape([VOCAB] * LOOP_NEW)
     laws = {"first": joint.sum(dim=(3, 4)).reshape(-1), "last": joint.sum(dim=(0, 1)).reshape(-1)}
-    torch.manual_seed(k if prefill_confidence is None else 5)
+    torch.manual_seed(k + (0 if prefill_confidence is None else 2) + (10 if return_sequences else 0))
     samples: dict[int, torch.Tensor] = {}  # draws per sample size, shared by both windows
 
     def draw(n: int) -> torch.Tensor:
         if n not in samples:
-            samples[n] = sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence, LOOP_NEW)
+            samples[n] = sample_loop(target, draft, prompt, k, n, temperature, top_k, prefill_confidence, LOOP_NEW,
+                                     return_sequences)
         return samples[n]
 
     for window, law in laws.items():

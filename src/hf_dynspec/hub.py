@@ -292,8 +292,9 @@ README_COMPATIBILITY = """## Model compatibility
   `prompt_lookup_num_tokens=` to draft from n-grams of the prompt.
 - Batches of any size; they must be left-padded (`tokenizer.padding_side = "left"`).
 - Greedy decoding and sampling (`do_sample=True`, with temperature, top-k, top-p and other logits processors), EOS,
-  stop strings and custom stopping criteria, streamers (at batch size 1). Not supported: beam search,
-  `num_return_sequences > 1`, `output_scores`, `output_logits`, `output_attentions`, `output_hidden_states`.
+  stop strings and custom stopping criteria, streamers (at batch size 1), several samples per prompt
+  (`num_return_sequences` with `do_sample=True`). Not supported: beam search, `output_scores`, `output_logits`,
+  `output_attentions`, `output_hidden_states`.
 - Requires the `hf-dynspec` package (see `custom_generate/requirements.txt`; transformers checks it before running
   the code)."""
 

@@ -70,8 +70,9 @@ def _check_mode(generation_config: GenerationConfig, synced_gpus: bool) -> None:
         )
     if (generation_config.num_return_sequences or 1) != 1:
         raise ValueError(
-            f"num_return_sequences={generation_config.num_return_sequences} is not supported by the speculative loop; "
-            "repeat the prompt in the batch instead (each row samples independently)."
+            f"num_return_sequences={generation_config.num_return_sequences} cannot reach the speculative loop itself; "
+            "with do_sample=True, call hf_dynspec.generate (or an enabled model), which repeats each prompt in the "
+            "batch, or repeat the prompts yourself (each row samples independently)."
         )
     if synced_gpus:
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by the speculative loop.")
