@@ -134,8 +134,8 @@ def test_both_proposers(target, inputs):
 
 
 def test_unsupported_outputs(target, inputs):
-    with pytest.raises(ValueError, match="output_scores"):
-        run(target, inputs, assistant_model=target, output_scores=True, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="output_attentions"):
+        run(target, inputs, assistant_model=target, output_attentions=True, return_dict_in_generate=True)
 
 
 def test_encoder_decoder_and_custom_generate_conflict(target, inputs):

@@ -153,6 +153,44 @@ def test_every_generate_processor_matches_plain(name):
         assert torch.equal(out, expected), (name, config.tree_node_budget, list(proposer))
 
 
+OUTPUT_PROPOSERS = {
+    "chain": (DynSpecConfig(policy="static", num_speculative_tokens=4), "draft"),
+    "tree": (DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=8), "draft"),
+    "prefill verifies drafts": (DynSpecConfig(policy="static", prefill_draft_confidence=0.1), "draft"),
+    "lookup": (DynSpecConfig(policy="static", num_speculative_tokens=4), "lookup"),
+}
+
+
+@pytest.mark.parametrize("proposer", OUTPUT_PROPOSERS)
+def test_output_scores_and_logits_match_plain(pair, proposer):
+    """`output_scores` / `output_logits`: at every token a row generated, the processed scores and the raw logits of
+    plain greedy `generate`; after a row's EOS, the pad token is certain (plain's values there come from feeding
+    padding, which the loop never does)."""
+    _, target, drafts = pair
+    ids, mask = left_padded_prompts([4, 9, 6, 11, 3], seed=11)
+    eos = _eos_from_plain_output(target, ids, mask)
+    options = dict(max_new_tokens=24, eos_token_id=eos, repetition_penalty=1.3, return_dict_in_generate=True,
+                   output_scores=True, output_logits=True)
+    expected = plain(target, ids, mask, **options)
+    config, kind = OUTPUT_PROPOSERS[proposer]
+    source = dict(assistant_model=drafts["mixed"]) if kind == "draft" else dict(prompt_lookup_num_tokens=3)
+    out = hf_dynspec.generate(target, input_ids=ids, attention_mask=mask, do_sample=False, dynspec_config=config,
+                              **source, **options)
+    assert torch.equal(out.sequences, expected.sequences)
+    generated = out.sequences[:, ids.shape[1] :]
+    lengths = torch.where((generated == eos).any(1), (generated == eos).long().argmax(1) + 1, generated.shape[1])
+    assert lengths.min() < lengths.max(), "the case needs rows that end before others"
+    pad = target.generation_config.pad_token_id
+    for name in ("scores", "logits"):
+        ours, theirs = torch.stack(getattr(out, name), 1), torch.stack(getattr(expected, name), 1)  # [rows, new, vocab]
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, name
+        for row, length in enumerate(lengths.tolist()):
+            torch.testing.assert_close(ours[row, :length], theirs[row, :length], rtol=1e-5, atol=1e-5)
+            after = ours[row, length:]  # [new - length, vocab]
+            assert (after[:, pad] == 0).all() and after[:, torch.arange(after.shape[1]) != pad].isneginf().all()
+    assert not torch.equal(torch.stack(out.scores), torch.stack(out.logits))  # the penalty processed the scores
+
+
 def test_float32_models_match_plain():
     target = tiny_model("llama", seed=3, dtype=torch.float32)
     draft = perturbed(target, scale=0.05)

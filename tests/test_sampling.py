@@ -201,6 +201,28 @@ def test_seeded_sampling_is_reproducible(small_vocab_pair):
     assert not torch.equal(runs[0], runs[2])
 
 
+def test_sampled_output_scores_are_the_targets(small_vocab_pair):
+    """With sampling, `output_logits` holds the target's logits before each sampled token and `output_scores` those
+    logits after temperature and top-k, as in plain `generate`, whether the token was a draft's or the target's."""
+    target, draft = small_vocab_pair
+    ids, mask = left_padded_prompts([4, 7, 5], vocab=VOCAB, seed=1)
+    torch.manual_seed(0)
+    out = hf_dynspec.generate(
+        target, input_ids=ids, attention_mask=mask, assistant_model=draft, do_sample=True, temperature=0.7, top_k=4,
+        top_p=None, max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True,
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=3),
+    )
+    assert 0 < out.dynspec_stats.accepted_tokens < out.dynspec_stats.draft_tokens  # some drafts taken, some not
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], dim=1)
+    with torch.no_grad():
+        logits = target(out.sequences, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0))
+    expected = logits.logits[:, ids.shape[1] - 1 : -1].float()  # [rows, new, vocab] before each new token
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, rtol=1e-5, atol=1e-5)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)])
+    warped = warpers(out.sequences, expected.reshape(-1, VOCAB)).reshape(expected.shape)
+    torch.testing.assert_close(torch.stack(out.scores, dim=1), warped, rtol=1e-5, atol=1e-5)
+
+
 def test_exact_joint_sums_to_one(small_vocab_pair):
     target, _ = small_vocab_pair
     with torch.no_grad():

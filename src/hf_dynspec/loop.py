@@ -26,7 +26,7 @@ from .distributed import DecisionBroadcast
 from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
 from .processors import process_logits, process_tree_logits
-from .sequences import TokenBatch, widen
+from .sequences import EmittedScores, TokenBatch, widen
 from .stats import DynSpecStats, StepRecord
 from .validation import validate_inputs
 from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling
@@ -126,6 +126,12 @@ class _Run:
         models = {"target": model, "draft": draft}
         self.stats.narrow_rows = {role: self.placement.narrow_rows.get(id(m), 0) for role, m in models.items() if m}
         self.input_ids = input_ids
+        returned = generation_config.return_dict_in_generate
+        self.kept = {  # what `output_scores` / `output_logits` ask to return, per row
+            name: EmittedScores(num_rows, self.pad_id)
+            for name in ("scores", "logits")
+            if returned and getattr(generation_config, f"output_{name}", False)
+        }
 
     def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
         if self.config.proposer == "hybrid" and self.config.tree_node_budget:
@@ -183,7 +189,9 @@ class _Run:
             self.streamer.end()
         sequences = self.output[:, : self.input_ids.shape[1] + int(self.output_generated.max())]
         if self.generation_config.return_dict_in_generate:
-            return DynSpecOutput(sequences=sequences, dynspec_stats=self.stats)
+            steps = sequences.shape[1] - self.input_ids.shape[1]
+            kept = {name: record.per_position(steps) for name, record in self.kept.items()}
+            return DynSpecOutput(sequences=sequences, dynspec_stats=self.stats, **kept)
         return sequences
 
     def _prefill(self, model_kwargs: dict) -> TokenBatch:
@@ -217,7 +225,7 @@ class _Run:
             scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
             root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
             first = self._verify(scores, root_only, None)
-            batch = self._emit(batch, first.emitted, first.accepted + 1, scores)
+            batch = self._emit(batch, first.emitted, first.accepted + 1, {"scores": scores, "logits": logits})
         else:
             batch = self._prefill_verifying(batch, proposal, mask, positions)
         check_cache_supported(cache, "target model")  # the model may have built its cache in the forward
@@ -268,8 +276,7 @@ class _Run:
         self.proposer.commit(batch, proposal, outcome.kept)
         self.stats.draft_tokens += int(proposal.lengths.sum())
         self.stats.accepted_tokens += int(outcome.accepted.sum())
-        path_scores = self._path_scores(scores, outcome) if self.extra_criteria else None
-        return self._emit(batch, outcome.emitted, outcome.accepted + 1, path_scores)
+        return self._emit(batch, outcome.emitted, outcome.accepted + 1, self._along_path(scores, logits, outcome))
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
@@ -302,17 +309,20 @@ class _Run:
         self.proposer.commit(batch, proposal, outcome.kept)
         drafting = drafted - start - catchup - setup  # a one-off measurement is loop overhead, not a cost of drafting
         self._observe(requested, proposal, tree, outcome, drafting, catchup, verified - drafted, batch)
-        path_scores = self._path_scores(scores, outcome) if self.extra_criteria else None
-        batch = self._emit(batch, outcome.emitted, outcome.accepted + 1, path_scores)
+        batch = self._emit(batch, outcome.emitted, outcome.accepted + 1, self._along_path(scores, logits, outcome))
         self._account_overhead(self.placement.clock() - begun - (drafted - start) + setup - (verified - drafted))
         return batch
 
-    @staticmethod
-    def _path_scores(scores: torch.Tensor, outcome: TreeVerification) -> torch.Tensor:
-        """`[batch, max_depth + 1, vocab]` scores before each emitted token: at the root, then along the path."""
+    def _along_path(
+        self, scores: torch.Tensor, logits: torch.Tensor, outcome: TreeVerification
+    ) -> dict[str, torch.Tensor]:
+        """`[batch, max_depth + 1, vocab]` processed scores and raw logits before each emitted token (at the root,
+        then along the accepted path), each only where stopping criteria or the output need them."""
+        needed = set(self.kept) | ({"scores"} if self.extra_criteria else set())
+        at_nodes = {"scores": scores, "logits": logits}  # [batch, nodes, vocab] each
         rows = torch.arange(scores.shape[0], device=scores.device).unsqueeze(1)
         before = torch.cat([outcome.path.new_zeros((scores.shape[0], 1)), outcome.path.clamp(min=0)], dim=1)
-        return scores[rows, before]
+        return {name: at_nodes[name][rows, before] for name in needed}
 
     def _account_overhead(self, seconds: float) -> None:
         """Loop time of a step outside drafting, catch-up and verification (policy, acceptance, bookkeeping)."""
@@ -379,16 +389,19 @@ class _Run:
 
     # ---- emitting tokens and finishing rows --------------------------------------------------------------------------
     def _emit(
-        self, batch: TokenBatch, emitted: torch.LongTensor, counts: torch.LongTensor, scores: torch.Tensor | None
+        self, batch: TokenBatch, emitted: torch.LongTensor, counts: torch.LongTensor, before: dict[str, torch.Tensor]
     ) -> TokenBatch:
         """Append each row's emitted tokens up to its first stop; move finished rows to the output.
 
-        `scores` (`[batch, width, vocab]`, needed only with extra stopping criteria) are those before each emitted token.
+        `before` holds the processed `scores` and raw `logits` (`[batch, width, vocab]`) before each emitted token,
+        as far as extra stopping criteria and `output_scores` / `output_logits` need them.
         """
         counts = counts.minimum(batch.remaining)
         finished = counts >= batch.remaining
         counts, finished = self._cut_at_eos(emitted, counts, finished)
-        counts, finished = self._cut_at_criteria(batch, emitted, counts, finished, scores)
+        counts, finished = self._cut_at_criteria(batch, emitted, counts, finished, before.get("scores"))
+        for name, record in self.kept.items():
+            record.add(batch.row_ids, counts, before[name])
         batch.append(emitted, counts)
         self.stats.emitted_tokens += int(counts.sum())
         if self.stats.steps and self.config.collect_step_stats:

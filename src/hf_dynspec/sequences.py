@@ -122,3 +122,32 @@ class TokenBatch:
 def widen(tokens: torch.LongTensor, columns: int, pad_id: int) -> torch.LongTensor:
     """`tokens` (`[rows, width]`) followed by `columns` columns of `pad_id`: `[rows, width + columns]`."""
     return torch.cat([tokens, tokens.new_full((tokens.shape[0], columns), pad_id)], dim=1)
+
+
+class EmittedScores:
+    """Per row of the batch `generate` received, the scores (or logits) before each token it emitted; gathered at the
+    end into `generate`'s `scores` / `logits`: one `[rows, vocab]` tensor per generated position."""
+
+    def __init__(self, num_rows: int, pad_id: int) -> None:
+        self.rows: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]  # per row, `[tokens, vocab]` chunks
+        self.pad_id = pad_id
+
+    def add(self, row_ids: torch.LongTensor, counts: torch.LongTensor, values: torch.Tensor) -> None:
+        """Record row `i`'s first `counts[i]` of `values` (`[batch, width, vocab]`), the rows of `row_ids`."""
+        for i, (row, count) in enumerate(zip(row_ids.tolist(), counts.tolist())):
+            if count:
+                self.rows[row].append(values[i, :count].clone())
+
+    def per_position(self, positions: int) -> tuple[torch.Tensor, ...]:
+        """`positions` tensors `[rows, vocab]`. After its last token a row emits padding, as in plain `generate`; its
+        scores there are 0 at the pad id and -inf elsewhere (the pad token is certain), not the model's output."""
+        chunks = [torch.cat(row) for row in self.rows if row]
+        if not chunks:
+            return ()
+        out = chunks[0].new_full((positions, len(self.rows), chunks[0].shape[-1]), float("-inf"))
+        out[:, :, self.pad_id] = 0.0
+        for row, values in enumerate(self.rows):
+            if values:
+                emitted = torch.cat(values)  # [tokens, vocab]
+                out[: emitted.shape[0], row] = emitted
+        return tuple(out.unbind(0))

@@ -78,13 +78,13 @@ def _check_mode(generation_config: GenerationConfig, synced_gpus: bool) -> None:
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by the speculative loop.")
     unsupported = [
         flag
-        for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        for flag in ("output_attentions", "output_hidden_states")
         if getattr(generation_config, flag, False)
     ]
     if unsupported:
         raise ValueError(
-            f"{unsupported} are not supported by the speculative loop (rows advance by different numbers of tokens "
-            "per step); use return_dict_in_generate=True for `dynspec_stats`, or plain generate for per-step scores."
+            f"{unsupported} are not supported by the speculative loop (its target forwards cover several tokens of "
+            "each row, drafts included); drop them (output_scores and output_logits work), or use plain generate."
         )
     if generation_config.use_cache is False:
         raise ValueError("use_cache=False: speculative decoding needs the KV cache; remove use_cache=False.")
