@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 
 def cache_kwarg(forward: Callable) -> str:
@@ -47,9 +49,54 @@ def check_cache_supported(cache: Cache | None, who: str) -> None:
     if odd:
         raise ValueError(
             f"The {who}'s KV cache has layers of type {odd}, which cannot hold masked entries or be cropped and "
-            "compacted (sliding-window, linear-attention and quantized layers). Use a model with full attention in "
-            f"every layer as the {who}."
+            "compacted (chunked-attention, linear-attention and quantized layers). Use a model with full or "
+            f"sliding-window attention in every layer as the {who}."
         )
+
+
+@dataclass(frozen=True)
+class SlidingWindows:
+    """How a model with sliding-window attention layers attends: in a sliding layer a token sees the `window` newest
+    positions up to itself (transformers' `sliding_window`); `hybrid`: some layers attend to everything, and the model
+    takes a mask per layer type (`full_attention`, `sliding_attention`)."""
+
+    window: int
+    hybrid: bool
+
+
+def sliding_windows(model: PreTrainedModel, who: str) -> SlidingWindows | None:
+    """The sliding windows of `model`'s attention layers, read from the cache transformers builds for it; `None` when
+    every layer attends to the whole sequence. The loop then keeps every layer's whole cache (it masks and compacts
+    entries, which a sliding-window cache layer cannot) and applies the window in its attention masks. Layers of
+    other kinds (chunked or linear attention), or windows that differ between layers, raise a clear error."""
+    text = model.config.get_text_config(decoder=True)
+    types = set(getattr(text, "layer_types", None) or ())
+    if getattr(text, "attention_chunk_size", None) is not None:  # how transformers asks for chunked attention
+        types.add("chunked_attention")
+    if types - {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"The {who} has attention layers of types {sorted(types)}; hf_dynspec supports full and sliding-window "
+            f"attention only (chunked and linear attention cannot see masked entries as the loop needs). Use a model "
+            f"with full or sliding-window attention in every layer as the {who}."
+        )
+    layers = DynamicCache(config=model.config).layers
+    kinds = {type(layer) for layer in layers}
+    if kinds <= {DynamicLayer}:
+        return None
+    windows = {layer.sliding_window for layer in layers if type(layer) is DynamicSlidingWindowLayer}
+    if kinds - {DynamicLayer, DynamicSlidingWindowLayer} or len(windows) != 1:
+        check_cache_supported(DynamicCache(config=model.config), who)  # names the layer kinds
+        raise ValueError(
+            f"The {who}'s sliding-window layers use different windows ({sorted(windows)}); hf_dynspec applies one "
+            f"window per model. Use a model with one sliding window (or full attention) as the {who}."
+        )
+    return SlidingWindows(window=int(windows.pop()), hybrid=DynamicLayer in kinds)
+
+
+def loop_cache(model: PreTrainedModel, windows: SlidingWindows | None) -> DynamicCache:
+    """An empty KV cache for `model` in the loop: full layers throughout when it has sliding windows (the loop's masks
+    apply them), otherwise the cache transformers builds for it."""
+    return DynamicCache() if windows is not None else DynamicCache(config=model.config)
 
 
 def check_cache_empty(cache: Cache | None) -> None:

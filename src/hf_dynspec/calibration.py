@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from .cache import cache_kwarg
+from .cache import cache_kwarg, loop_cache, sliding_windows
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
 from .kernels import NARROW_LINEAR, narrow_linear, narrow_rows, row_major_output
 from .placement import input_device
@@ -99,7 +99,7 @@ class _CachedForward:
         self.device = input_device(model)  # works for offloaded models too (their embeddings may sit on `meta`)
         self.vocab = int(model.config.vocab_size)
         self.batch_size, self.context_length, self.generator = batch_size, context_length, generator
-        self.cache = DynamicCache(config=model.config)
+        self.cache = loop_cache(model, sliding_windows(model, "model"))  # as the loop keeps it: croppable
         self.cache_key = cache_kwarg(model.forward)
         with torch.inference_mode():
             self._forward(self.context_length, offset=0, keep=1)

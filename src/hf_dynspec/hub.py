@@ -285,9 +285,9 @@ The code lives in the `hf-dynspec` package. `custom_generate/generate.py` only f
 
 README_COMPATIBILITY = """## Model compatibility
 
-- Decoder-only causal language models of `transformers` with full attention in every layer and the default dynamic
-  KV cache (Llama, Qwen2 and similar). Sliding-window, recurrent, static, quantized and offloaded caches are refused
-  with an error that says so, as are encoder-decoder models.
+- Decoder-only causal language models of `transformers` with full or sliding-window attention in every layer and
+  the default dynamic KV cache (Llama, Qwen2, Mistral, Gemma 3 and similar). Chunked-attention, recurrent, static,
+  quantized and offloaded caches are refused with an error that says so, as are encoder-decoder models.
 - The draft model (`assistant_model=`) must share the target's tokenizer (the same vocabulary). Without one, set
   `prompt_lookup_num_tokens=` to draft from n-grams of the prompt.
 - Batches of any size; they must be left-padded (`tokenizer.padding_side = "left"`).

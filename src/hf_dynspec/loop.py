@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import RaggedCache, check_cache_empty, check_cache_supported, generation_cache
+from .cache import RaggedCache, check_cache_empty, check_cache_supported, generation_cache, loop_cache
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
@@ -205,8 +206,11 @@ class _Run:
         if positions is None:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = generation_cache(model_kwargs)
-        check_cache_supported(cache, "target model")
         check_cache_empty(cache)
+        windows = self.placement.windows.get(id(self.model))
+        if windows is not None and isinstance(cache, DynamicCache):
+            cache = loop_cache(self.model, windows)  # whole layers: the loop's masks apply the sliding windows
+        check_cache_supported(cache, "target model")
         self.target_cache = RaggedCache(
             cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction
         )

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .cache import RaggedCache, cache_kwarg
+from .cache import RaggedCache, SlidingWindows, cache_kwarg, sliding_windows
 from .candidates.draft_head import DraftHead
-from .candidates.tree import block_attention_mask
+from .candidates.tree import block_attention_mask, causal_visibility, windowed_attention_masks
 from .kernels import narrow_linear, narrow_rows, row_major_output
 
 
@@ -112,6 +112,8 @@ class Placement:
     narrow_rows: dict[int, int] = field(default_factory=dict)
     """Per model (by `id`): the most rows its forwards compute weight-first (`kernels.NarrowLinear`); absent or 0:
     none."""
+    windows: dict[int, SlidingWindows | None] = field(default_factory=dict)
+    """Per model (by `id`): its sliding-window attention (`cache.sliding_windows`); absent or `None`: full attention."""
 
     @classmethod
     def of(
@@ -125,7 +127,10 @@ class Placement:
         devices = model_devices(target) | (model_devices(draft) if draft is not None else set()) | {loop_device}
         cuda = tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
         narrow = {id(m): narrow_rows(m, narrow_linear) for m in (target, draft) if m is not None}
-        return cls(loop_device, input_device(target), input_device(draft) if draft is not None else None, cuda, narrow)
+        roles = {"target model": target, "draft model": draft}
+        windows = {id(m): sliding_windows(m, role) for role, m in roles.items() if m is not None}
+        draft_device = input_device(draft) if draft is not None else None
+        return cls(loop_device, input_device(target), draft_device, cuda, narrow, windows)
 
     def forward(
         self,
@@ -155,13 +160,10 @@ class Placement:
             `[batch, keep, vocab]` float32 logits on the loop device.
         """
         device = input_device(model)
-        cache_valid = cache.valid
-        attention_mask = cache.begin(query_mask)
-        if visibility is not None:
-            attention_mask = block_attention_mask(cache_valid, visibility.to(cache_valid.device), model.dtype)
+        attention_mask = self._attention_mask(model, cache, query_mask, positions, visibility)
         inputs = dict(
             input_ids=ids.to(device, non_blocking=True),
-            attention_mask=attention_mask.to(device, non_blocking=True),
+            attention_mask=_to(attention_mask, device),
             position_ids=positions.to(device, non_blocking=True),
             use_cache=True,
         )
@@ -173,6 +175,29 @@ class Placement:
             inputs[_cache_kwarg(type(model))] = cache.cache
             output = model(**inputs, **logits_kwargs(model, keep))
         return self.logits_to_loop(output.logits[:, -keep:])
+
+    def _attention_mask(
+        self,
+        model: PreTrainedModel,
+        cache: RaggedCache,
+        query_mask: torch.LongTensor,
+        positions: torch.LongTensor,
+        visibility: torch.BoolTensor | None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The mask of a forward, after registering its new columns in `cache`: 2D over cache and new tokens for a
+        causal block; 4D for token trees and for models with sliding windows (a mask per layer type for a hybrid
+        model, see `windowed_attention_masks`)."""
+        cache_valid = cache.valid  # [batch, length] before this forward's columns
+        mask = cache.begin(query_mask)
+        windows = self.windows.get(id(model))
+        if windows is None and visibility is None:
+            return mask
+        if visibility is None:
+            visibility = causal_visibility(cache_valid.shape[1], query_mask.to(cache_valid.device))
+        visibility = visibility.to(cache_valid.device)
+        if windows is None:
+            return block_attention_mask(cache_valid, visibility, model.dtype)
+        return windowed_attention_masks(cache_valid, visibility, positions, windows, model.dtype)
 
     def logits_to_loop(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits from either model, as float32 on the loop device (a copy only when device or dtype differ)."""
@@ -186,3 +211,10 @@ class Placement:
         for device in self.cuda_devices:
             torch.cuda.synchronize(device)
         return time.perf_counter()
+
+
+def _to(mask: torch.Tensor | dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """An attention mask (or a model's masks per layer type) on `device`."""
+    if isinstance(mask, dict):
+        return {kind: value.to(device, non_blocking=True) for kind, value in mask.items()}
+    return mask.to(device, non_blocking=True)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..cache import RaggedCache, check_cache_supported
+from ..cache import RaggedCache, check_cache_supported, loop_cache
 from ..config import DynSpecConfig
 from ..placement import Placement
 from ..processors import process_path_logits
@@ -79,7 +78,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     def start(self, batch: TokenBatch) -> None:
         self.forwards = 0
         self.pad_id = batch.pad_id
-        cache = DynamicCache(config=self.draft_model.config)
+        cache = loop_cache(self.draft_model, self.placement.windows.get(id(self.draft_model)))
         check_cache_supported(cache, "draft model")
         empty = torch.zeros((batch.batch_size, 0), dtype=torch.long, device=batch.tokens.device)
         self.ragged = RaggedCache(cache, empty, self.config.compact_min_holes, self.config.compact_hole_fraction)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import SlidingWindows
+
 
 @dataclass
 class TokenTree:
@@ -196,6 +198,38 @@ def block_attention_mask(
     visible = visibility & columns.unsqueeze(1)  # [batch, width, length + width]
     hidden = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return hidden.masked_fill_(~visible, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def causal_visibility(length: int, query_mask: torch.LongTensor) -> torch.BoolTensor:
+    """`[batch, width, length + width]` what each token of a causal block of new tokens may see on a cache of `length`
+    columns: every cache column (their validity decides) and the block's real tokens up to itself."""
+    batch, width = query_mask.shape
+    causal = torch.ones(width, width, dtype=torch.bool, device=query_mask.device).tril()  # [width, width]
+    itself = torch.eye(width, dtype=torch.bool, device=query_mask.device)
+    block = (causal & query_mask.bool().unsqueeze(1)) | itself  # [batch, width, width]
+    return torch.cat([block.new_ones((batch, width, length)), block], dim=2)
+
+
+def windowed_attention_masks(
+    cache_valid: torch.Tensor,  # [batch, length] 1 where a cache column is part of the row
+    visibility: torch.BoolTensor,  # [batch, width, length + width] what each new token may see
+    positions: torch.LongTensor,  # [batch, width] position ids of the new tokens
+    windows: SlidingWindows,
+    dtype: torch.dtype,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4D masks (`block_attention_mask`) of a forward of a model with sliding-window layers: in a sliding layer a
+    token also hides every key `windows.window` or more positions behind it. A hybrid model gets a mask per layer
+    type, a model whose every layer slides one mask.
+
+    A row's valid cache columns hold its tokens in order (holes and padding are invalid), so the `i`-th valid column
+    of a row is at position `i - 1`; new tokens are at `positions`.
+    """
+    keys = torch.cat([cache_valid.long().cumsum(dim=1) - 1, positions.to(cache_valid.device)], dim=1)  # [b, l + w]
+    behind = positions.to(cache_valid.device).unsqueeze(2) - keys.unsqueeze(1)  # [batch, width, length + width]
+    sliding = block_attention_mask(cache_valid, visibility & (behind < windows.window), dtype)
+    if not windows.hybrid:
+        return sliding
+    return {"full_attention": block_attention_mask(cache_valid, visibility, dtype), "sliding_attention": sliding}
 
 
 def prefix_visibility(prefix_mask: torch.LongTensor, tree: TokenTree) -> torch.BoolTensor:
