@@ -60,6 +60,11 @@ PROPOSERS = {
     "tree": (DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=8), "draft"),
     "prefill verifies drafts": (DynSpecConfig(policy="static", prefill_draft_confidence=0.1), "draft"),
     "lookup": (DynSpecConfig(policy="static", num_speculative_tokens=4), "lookup"),
+    "tree, compacting every step": (
+        DynSpecConfig(policy="static", num_speculative_tokens=4, tree_node_budget=8, compact_min_holes=1,
+                      compact_hole_fraction=0.05),
+        "draft",
+    ),
 }
 
 
@@ -93,6 +98,8 @@ def test_sliding_window_models_match_plain_greedy(windowed, proposer):
                               dynspec_config=config, return_dict_in_generate=True, **source)
     assert torch.equal(out.sequences, expected)
     assert out.dynspec_stats.accepted_tokens > 0
+    if "compacting" in proposer:
+        assert out.dynspec_stats.compactions > 0  # rows' tokens moved to other cache columns, positions kept
 
 
 def test_full_attention_draft_beside_a_windowed_target(windowed):
