@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import BOS, EOS, PAD, VOCAB, left_padded_prompts, perturbed, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -148,3 +152,30 @@ def test_sampling_sees_the_windowed_logits(windowed):
     expected = logits.logits[:, ids.shape[1] - 1 : -1].float()  # [rows, new, vocab] before each new token
     tolerance = 1e-5 if target.dtype == torch.float64 else 1e-4  # float32: wider forwards round differently
     torch.testing.assert_close(torch.stack(out.logits, dim=1), expected, rtol=tolerance, atol=tolerance)
+
+
+@functools.cache
+def _pair(window: int):
+    target = windowed_model("qwen2", window)
+    return target, perturbed(target, scale=0.05, seed=5)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    window=st.integers(min_value=2, max_value=8),
+    lengths=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=5),
+    k=st.integers(min_value=0, max_value=6),
+    nodes=st.sampled_from([0, 3, 10]),
+    max_new_tokens=st.integers(min_value=1, max_value=20),
+    seed=st.integers(min_value=0, max_value=10_000),
+)
+def test_property_random_windows_and_shapes(window, lengths, k, nodes, max_new_tokens, seed):
+    """Windows down to two tokens, chains and trees, ragged batches. (At a window of one token, transformers' sliding
+    cache layer keeps every entry, as its slice `[-window + 1:]` is `[0:]`, so plain `generate` is no reference.)"""
+    target, draft = _pair(window)
+    ids, mask = left_padded_prompts(lengths, seed=seed)
+    expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=k, tree_node_budget=nodes)
+    out = hf_dynspec.generate(target, input_ids=ids, attention_mask=mask, do_sample=False,
+                              max_new_tokens=max_new_tokens, assistant_model=draft, dynspec_config=config)
+    assert torch.equal(out, expected)
