@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +20,11 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec import cache as cache_module
 from hf_dynspec.cache import SlidingWindows, sliding_windows
 from hf_dynspec.candidates.tree import causal_visibility, windowed_attention_masks
 
@@ -123,6 +126,13 @@ def test_the_window_counts_positions_not_cache_columns():
     seen = {kind: (mask[0, 0, 0] == 0).tolist() for kind, mask in masks.items()}
     assert seen["sliding_attention"] == [False, False, False, False, True, True]  # position 2 and itself
     assert seen["full_attention"] == [False, True, False, True, True, True]
+
+
+def test_windows_that_differ_between_layers_are_refused(monkeypatch):
+    layers = [DynamicSlidingWindowLayer(sliding_window=4), DynamicSlidingWindowLayer(sliding_window=8)]
+    monkeypatch.setattr(cache_module, "DynamicCache", lambda config=None: SimpleNamespace(layers=layers))
+    with pytest.raises(ValueError, match=r"different windows \(\[4, 8\]\).*as the target model[.]$"):
+        sliding_windows(windowed_model("mistral", WINDOW), "target model")
 
 
 def test_chunked_attention_is_refused():

@@ -45,7 +45,12 @@ def check_cache_supported(cache: Cache | None, who: str) -> None:
             "and compacts rejected entries. Remove `cache_implementation` / `past_key_values` from the generate call "
             "(static, quantized and offloaded caches are not supported)."
         )
-    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    _check_layer_kinds(cache, {DynamicLayer}, who)
+
+
+def _check_layer_kinds(cache: DynamicCache, allowed: set[type], who: str) -> None:
+    """Raise a clear error when `cache` has a layer of a class outside `allowed`."""
+    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in allowed})
     if odd:
         raise ValueError(
             f"The {who}'s KV cache has layers of type {odd}, which cannot hold masked entries or be cropped and "
@@ -79,18 +84,17 @@ def sliding_windows(model: PreTrainedModel, who: str) -> SlidingWindows | None:
             f"attention only (chunked and linear attention cannot see masked entries as the loop needs). Use a model "
             f"with full or sliding-window attention in every layer as the {who}."
         )
-    layers = DynamicCache(config=model.config).layers
-    kinds = {type(layer) for layer in layers}
-    if kinds <= {DynamicLayer}:
+    cache = DynamicCache(config=model.config)
+    _check_layer_kinds(cache, {DynamicLayer, DynamicSlidingWindowLayer}, who)
+    windows = {layer.sliding_window for layer in cache.layers if type(layer) is DynamicSlidingWindowLayer}
+    if not windows:
         return None
-    windows = {layer.sliding_window for layer in layers if type(layer) is DynamicSlidingWindowLayer}
-    if kinds - {DynamicLayer, DynamicSlidingWindowLayer} or len(windows) != 1:
-        check_cache_supported(DynamicCache(config=model.config), who)  # names the layer kinds
+    if len(windows) > 1:
         raise ValueError(
             f"The {who}'s sliding-window layers use different windows ({sorted(windows)}); hf_dynspec applies one "
             f"window per model. Use a model with one sliding window (or full attention) as the {who}."
         )
-    return SlidingWindows(window=int(windows.pop()), hybrid=DynamicLayer in kinds)
+    return SlidingWindows(window=int(windows.pop()), hybrid=any(type(layer) is DynamicLayer for layer in cache.layers))
 
 
 def loop_cache(model: PreTrainedModel, windows: SlidingWindows | None) -> DynamicCache:
