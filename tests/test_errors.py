@@ -55,6 +55,13 @@ def test_num_return_sequences_greedy(target, inputs):
         hf_dynspec.generate(target, **inputs, prompt_lookup_num_tokens=3, num_return_sequences=2, do_sample=False)
 
 
+def test_num_return_sequences_reaching_the_loop_itself(target, inputs):
+    """Called directly, the loop cannot repeat prompts (that happens in `hf_dynspec.generate`); it says where to go."""
+    config = GenerationConfig(max_length=20, do_sample=True, num_return_sequences=2)
+    with pytest.raises(ValueError, match="num_return_sequences=2 cannot reach the speculative loop.*hf_dynspec.generate"):
+        hf_dynspec.speculative_loop(target, inputs["input_ids"], [], [], config, assistant_model=target)
+
+
 def test_static_cache(target, inputs):
     with pytest.raises(ValueError, match="StaticCache.*dynamic KV cache"):
         run(target, inputs, assistant_model=target, cache_implementation="static")

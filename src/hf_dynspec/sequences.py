@@ -141,13 +141,12 @@ class EmittedScores:
     def per_position(self, positions: int) -> tuple[torch.Tensor, ...]:
         """`positions` tensors `[rows, vocab]`. After its last token a row emits padding, as in plain `generate`; its
         scores there are 0 at the pad id and -inf elsewhere (the pad token is certain), not the model's output."""
-        chunks = [torch.cat(row) for row in self.rows if row]
-        if not chunks:
+        emitted = {row: torch.cat(values) for row, values in enumerate(self.rows) if values}  # [tokens, vocab] each
+        if not emitted:
             return ()
-        out = chunks[0].new_full((positions, len(self.rows), chunks[0].shape[-1]), float("-inf"))
+        first = next(iter(emitted.values()))
+        out = first.new_full((positions, len(self.rows), first.shape[-1]), float("-inf"))  # [positions, rows, vocab]
         out[:, :, self.pad_id] = 0.0
-        for row, values in enumerate(self.rows):
-            if values:
-                emitted = torch.cat(values)  # [tokens, vocab]
-                out[: emitted.shape[0], row] = emitted
+        for row, values in emitted.items():
+            out[: values.shape[0], row] = values
         return tuple(out.unbind(0))
