@@ -65,7 +65,7 @@ def namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
 
 def test_quickstart_blocks_run(namespace: dict) -> None:
     ran = run_page("quickstart.md", namespace)
-    assert ran == 17
+    assert ran == 18
     assert Path("my-dynspec/custom_generate/generate.py").is_file()
     assert namespace["stats"].batch_size == 2
 

@@ -103,14 +103,35 @@ def loop_cache(model: PreTrainedModel, windows: SlidingWindows | None) -> Dynami
     return DynamicCache() if windows is not None else DynamicCache(config=model.config)
 
 
-def check_cache_empty(cache: Cache | None) -> None:
-    """Raise a clear error when the call brings a KV cache that already holds tokens (a prompt prefix)."""
-    if cache is not None and cache.get_seq_length() > 0:
+def cached_prefix(cache: Cache | None, prompt: torch.LongTensor, windows: SlidingWindows | None) -> int:
+    """How many of the prompt's first tokens `cache` already holds (a prompt prefix computed beforehand, as for
+    transformers' prompt caching); 0 without one. Raises a clear error for a prefix the loop cannot continue from.
+
+    Args:
+        prompt: `[batch, width]` the whole prompt, cached prefix included.
+    """
+    length = 0 if cache is None else cache.get_seq_length()
+    if length == 0:
+        return 0
+    if windows is not None:
         raise ValueError(
-            f"`past_key_values` already holds {cache.get_seq_length()} tokens; the speculative loop prefills the whole "
-            "prompt itself (its caches mask rejected entries per row). Pass the whole prompt as `input_ids` and no "
-            "`past_key_values`."
+            f"The KV cache passed to `generate` already holds {length} tokens, and the target has sliding-window "
+            "attention, whose cache layers keep only the newest entries; the loop needs every entry of the prefix. "
+            "Pass the whole prompt as `input_ids` and no prefilled cache."
         )
+    check_cache_supported(cache, "target model")
+    rows = next(layer.keys.shape[0] for layer in cache.layers if layer.is_initialized)
+    if rows != prompt.shape[0]:
+        raise ValueError(
+            f"The KV cache passed to `generate` holds a prefix for {rows} row(s), but the prompt has "
+            f"{prompt.shape[0]}. Give the cache one row per prompt row (e.g. `cache.batch_repeat_interleave(n)`)."
+        )
+    if length >= prompt.shape[1]:
+        raise ValueError(
+            f"The KV cache passed to `generate` already holds {length} tokens, but the prompt has {prompt.shape[1]}: "
+            "pass the whole prompt as `input_ids`, with at least one token after the cached prefix."
+        )
+    return length
 
 
 class RaggedCache:

@@ -293,7 +293,8 @@ README_COMPATIBILITY = """## Model compatibility
 - Batches of any size; they must be left-padded (`tokenizer.padding_side = "left"`).
 - Greedy decoding and sampling (`do_sample=True`, with temperature, top-k, top-p and other logits processors), EOS,
   stop strings and custom stopping criteria, streamers (at batch size 1), several samples per prompt
-  (`num_return_sequences` with `do_sample=True`), `output_scores` and `output_logits`. Not supported: beam search,
+  (`num_return_sequences` with `do_sample=True`), `output_scores` and `output_logits`, a KV cache that already holds
+  a prompt prefix (`cache=`, left unchanged; not for sliding-window targets). Not supported: beam search,
   `output_attentions`, `output_hidden_states`.
 - Requires the `hf-dynspec` package (see `custom_generate/requirements.txt`; transformers checks it before running
   the code)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import sys
@@ -14,7 +15,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import RaggedCache, check_cache_empty, check_cache_supported, generation_cache, loop_cache
+from .cache import RaggedCache, cached_prefix, check_cache_supported, generation_cache, loop_cache
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
@@ -206,13 +207,15 @@ class _Run:
         if positions is None:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = generation_cache(model_kwargs)
-        check_cache_empty(cache)
         windows = self.placement.windows.get(id(self.model))
-        if windows is not None and isinstance(cache, DynamicCache):
+        cached = cached_prefix(cache, input_ids, windows)  # prompt tokens the call's cache already holds
+        if cached:
+            cache = copy.deepcopy(cache)  # the loop's holes and compactions never reach the caller's cache
+        elif windows is not None and isinstance(cache, DynamicCache):
             cache = loop_cache(self.model, windows)  # whole layers: the loop's masks apply the sliding windows
         check_cache_supported(cache, "target model")
         self.target_cache = RaggedCache(
-            cache, mask[:, :0], self.config.compact_min_holes, self.config.compact_hole_fraction
+            cache, mask[:, :cached], self.config.compact_min_holes, self.config.compact_hole_fraction
         )
         batch = TokenBatch(
             tokens=self.output.clone(),
@@ -225,17 +228,18 @@ class _Run:
         self.proposer.start(batch)
         proposal, drafting = self._prefill_proposal(batch)
         if proposal is None:
-            logits = self._target_forward(input_ids, mask, positions, 1)  # [batch, 1, vocab]
-            scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)
+            logits = self._target_forward(input_ids[:, cached:], mask[:, cached:], positions[:, cached:], 1)
+            scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)  # [batch, 1, vocab]
             root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
             first = self._verify(scores, root_only, None)
             batch = self._emit(batch, first.emitted, first.accepted + 1, {"scores": scores, "logits": logits})
         else:
-            batch = self._prefill_verifying(batch, proposal, mask, positions)
+            batch = self._prefill_verifying(batch, proposal, mask, positions, cached)
         check_cache_supported(cache, "target model")  # the model may have built its cache in the forward
         self.stats.prefill_seconds = self.placement.clock() - start - drafting
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
-        prefill = PrefillFeedback(input_ids.shape[0], input_ids.numel(), self.stats.prefill_seconds, ratio)
+        prefilled = input_ids[:, cached:].numel()  # tokens the prefill's forward computed
+        prefill = PrefillFeedback(input_ids.shape[0], prefilled, self.stats.prefill_seconds, ratio)
         self.policy.observe_prefill(prefill)
         return batch
 
@@ -261,18 +265,21 @@ class _Run:
         return proposal, seconds
 
     def _prefill_verifying(
-        self, batch: TokenBatch, proposal: Proposal, mask: torch.LongTensor, positions: torch.LongTensor
+        self, batch: TokenBatch, proposal: Proposal, mask: torch.LongTensor, positions: torch.LongTensor, cached: int
     ) -> TokenBatch:
-        """One target forward over each prompt and, on top of its last token, the draft tokens of `proposal`:
-        the prefill and the first verify at once. Returns the batch after emitting what it accepted."""
-        prompt = batch.tokens[:, : batch.prompt_width]  # [batch, prompt]
+        """One target forward over each prompt past its `cached` prefix and, on top of its last token, the draft
+        tokens of `proposal`: the prefill and the first verify at once. Returns the batch after emitting what it
+        accepted."""
+        prompt = batch.tokens[:, cached : batch.prompt_width]  # [batch, prompt - cached]
         tree = proposal.tree(batch.last_tokens())  # root: the prompt's last token
         nodes = tree.num_nodes
-        ids = torch.cat([prompt[:, :-1], tree.tokens], dim=1)  # [batch, prompt - 1 + nodes]
-        query_mask = torch.cat([mask[:, :-1], tree.valid.long()], dim=1)
+        ids = torch.cat([prompt[:, :-1], tree.tokens], dim=1)  # [batch, width = prompt - cached - 1 + nodes]
+        query_mask = torch.cat([mask[:, cached:-1], tree.valid.long()], dim=1)
         node_positions = tree.position_ids(positions[:, -1])  # [batch, nodes]
-        visibility = prefix_visibility(mask[:, :-1], tree)  # [batch, width, width]
-        logits = self._target_forward(ids, query_mask, torch.cat([positions[:, :-1], node_positions], 1), nodes, visibility)
+        visibility = _past_prefix(mask[:, :cached], query_mask, prefix_visibility(mask[:, cached:-1], tree))
+        logits = self._target_forward(
+            ids, query_mask, torch.cat([positions[:, cached:-1], node_positions], 1), nodes, visibility
+        )
         scores = process_tree_logits(self.logits_processor, batch, tree, logits)  # [batch, nodes, vocab]
         outcome = self._verify(scores, tree, proposal.node_probs(tree))
         self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
@@ -512,6 +519,21 @@ _LEARNED_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
 policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
 generation keeps its heuristic draft length on the draft's generation config)."""
+
+
+def _past_prefix(
+    cached_mask: torch.LongTensor, query_mask: torch.LongTensor, visibility: torch.BoolTensor
+) -> torch.BoolTensor:
+    """`visibility` (`[batch, width, width]`, a forward over the uncached part of the prompt and a tree) widened to
+    `[batch, width, cached + width]`: every real token of the forward also sees the row's real cached tokens; padding
+    still sees only itself.
+
+    Args:
+        cached_mask: `[batch, cached]` 1 on the cached prefix's real tokens.
+        query_mask: `[batch, width]` 1 on the forward's real tokens.
+    """
+    sees = cached_mask.bool().unsqueeze(1) & query_mask.bool().unsqueeze(2)  # [batch, width, cached]
+    return torch.cat([sees.to(visibility.device), visibility], dim=2)
 
 
 def _policy_for(
