@@ -18,16 +18,19 @@ def generate(model: PreTrainedModel, inputs=None, **kwargs):
 
     Takes every argument `model.generate` takes, plus `dynspec_config` and `dynspec_policy`. `assistant_model` and
     `streamer` are handed to the loop explicitly (transformers does not forward them to a callable
-    `custom_generate`). With sampling, `num_return_sequences=n` repeats each prompt `n` times in the batch (rows
+    `custom_generate`), and so are `tokenizer` and `assistant_tokenizer` for a draft with another tokenizer. With sampling, `num_return_sequences=n` repeats each prompt `n` times in the batch (rows
     `i * n` to `i * n + n - 1` continue prompt `i`, as in plain `generate`), and each row samples on its own.
     """
     if kwargs.get("custom_generate") is not None:
         raise ValueError("`custom_generate` is set by hf_dynspec.generate itself; remove it from the call.")
     kwargs.pop("custom_generate", None)
-    assistant_model = kwargs.get("assistant_model")
-    if assistant_model is not None:
+    assistant_model, assistant_tokenizer = kwargs.get("assistant_model"), kwargs.pop("assistant_tokenizer", None)
+    if assistant_model is not None and assistant_tokenizer is None:
         check_vocabularies(model, assistant_model)
-    loop = functools.partial(speculative_loop, assistant_model=assistant_model, streamer=kwargs.get("streamer"))
+    loop = functools.partial(
+        speculative_loop, assistant_model=assistant_model, streamer=kwargs.get("streamer"),
+        tokenizer=kwargs.get("tokenizer"), assistant_tokenizer=assistant_tokenizer,
+    )
     inputs, kwargs = _expand_return_sequences(model, inputs, kwargs)
     return GenerationMixin.generate(model, inputs, custom_generate=loop, **kwargs)
 

@@ -21,6 +21,7 @@ from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
 from .candidates.hybrid import HybridProposer
 from .candidates.prompt_lookup import PromptLookupProposer
+from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
@@ -60,6 +61,8 @@ def speculative_loop(
     assistant_model: PreTrainedModel | None = None,
     dynspec_config: DynSpecConfig | dict | str | None = None,
     dynspec_policy: DraftLengthPolicy | None = None,
+    tokenizer=None,
+    assistant_tokenizer=None,
     **model_kwargs,
 ) -> DynSpecOutput | torch.LongTensor:
     """Batched speculative decoding; pass it to `generate` as `custom_generate`.
@@ -77,14 +80,21 @@ def speculative_loop(
             model's generation config, else `DynSpecConfig()`.
         dynspec_policy: a policy object to use instead of building one from the config (it keeps what it learned
             across calls).
+        tokenizer, assistant_tokenizer: the target's and the draft's tokenizers, for a draft with another tokenizer
+            (as in transformers' universal assisted decoding; chains only). transformers does not forward them to a
+            callable `custom_generate`: pass them to `hf_dynspec.generate` or to a model made with `enable`.
     """
     assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
     input_ids = input_ids.long()  # other integer dtypes would not mix with the loop's token buffers
     config = _resolve_config(dynspec_config, generation_config)
+    translation = _translation(assistant_model, tokenizer, assistant_tokenizer, config)
     validate_inputs(
-        model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer
+        model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer,
+        same_vocabulary=translation is None,
     )
-    run = _Run(model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config)
+    run = _Run(
+        model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config, translation
+    )
     run.policy = _policy_for(model, assistant_model, config, dynspec_policy)
     run.streamer = streamer
     return run.generate(model_kwargs)
@@ -102,8 +112,10 @@ class _Run:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         config: DynSpecConfig,
+        translation: tuple | None = None,
     ) -> None:
         self.model = model
+        self.translation = translation  # (target tokenizer, draft tokenizer) for a draft with another tokenizer
         self.generation_config = generation_config
         self.config = config
         self.logits_processor = logits_processor
@@ -148,6 +160,9 @@ class _Run:
                     "`assistant_model=<draft model>` (and no `prompt_lookup_num_tokens`), or drop proposer='hybrid'."
                 )
             return self._lookup_proposer(int(self.generation_config.prompt_lookup_num_tokens))
+        if self.translation is not None:
+            vocab = self.model.config.get_text_config().vocab_size
+            return TranslatedDraftProposer(draft, *self.translation, self.generation_config, vocab)
         if self.config.tree_node_budget:
             return DraftTreeProposer(
                 draft, self.logits_processor, self.generation_config, self.placement, self.config,
@@ -519,6 +534,24 @@ _LEARNED_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
 policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
 generation keeps its heuristic draft length on the draft's generation config)."""
+
+
+def _translation(draft: PreTrainedModel | None, tokenizer, assistant_tokenizer, config: DynSpecConfig) -> tuple | None:
+    """`(target tokenizer, draft tokenizer)` when the call asks for a draft with another tokenizer, else `None`;
+    a clear error for what such a draft cannot do."""
+    if assistant_tokenizer is None:
+        return None
+    if draft is None or tokenizer is None:
+        raise ValueError(
+            "`assistant_tokenizer` drafts with a model that has another tokenizer: pass the draft as `assistant_model` "
+            "and the target's tokenizer as `tokenizer` too."
+        )
+    if config.tree_node_budget or config.proposer == "hybrid":
+        raise ValueError(
+            "A draft with another tokenizer proposes chains only: set `tree_node_budget=0` and proposer='auto' "
+            "in the DynSpecConfig."
+        )
+    return tokenizer, assistant_tokenizer
 
 
 def _past_prefix(

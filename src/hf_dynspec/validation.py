@@ -26,8 +26,10 @@ def validate_inputs(
     model_kwargs: dict,
     synced_gpus: bool,
     streamer=None,
+    same_vocabulary: bool = True,
 ) -> None:
-    """Raise `ValueError` naming the problem and the fix for anything the loop cannot decode exactly."""
+    """Raise `ValueError` naming the problem and the fix for anything the loop cannot decode exactly
+    (`same_vocabulary=False`: the draft has another tokenizer, and its tokens are translated)."""
     _check_mode(generation_config, synced_gpus)
     if draft is not None and not isinstance(draft, PreTrainedModel):
         raise ValueError(
@@ -44,7 +46,8 @@ def validate_inputs(
     _check_model(model, "target model")
     if draft is not None:
         _check_model(draft, "draft model")
-        check_vocabularies(model, draft)
+        if same_vocabulary:
+            check_vocabularies(model, draft)
     _check_inputs(input_ids, model_kwargs, generation_config)
     _check_pad(model, generation_config)
     _check_logits_processors(logits_processor)
@@ -57,8 +60,9 @@ def check_vocabularies(model: PreTrainedModel, draft: PreTrainedModel) -> None:
     if target_vocab != draft_vocab:
         raise ValueError(
             f"The draft model's vocabulary ({draft_vocab} entries) differs from the target's ({target_vocab}). "
-            "hf_dynspec needs a draft that shares the target's tokenizer; drafts with a different tokenizer are out "
-            "of scope for now (transformers' universal assisted decoding handles them at batch size 1)."
+            "A draft with another tokenizer needs both tokenizers: pass `tokenizer=<target tokenizer>` and "
+            "`assistant_tokenizer=<draft tokenizer>` to `hf_dynspec.generate` (or to a model made with "
+            "`hf_dynspec.enable`)."
         )
 
 

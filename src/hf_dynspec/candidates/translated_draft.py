@@ -1,0 +1,103 @@
+"""Drafts from a model with another tokenizer: each row's text is re-encoded for the draft, and the draft's
+continuation re-encoded for the target (transformers' universal assisted decoding, one row at a time)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers
+
+from ..sequences import TokenBatch
+from .base import BatchedProposer, EarlyStop, Proposal
+from .prompt_lookup import PromptLookupProposer
+
+
+class TranslatedDraftProposer(BatchedProposer):
+    """Proposes chains of target tokens with a draft model whose tokenizer differs from the target's.
+
+    Each row has its own transformers `AssistedCandidateGeneratorDifferentTokenizers`: it decodes the row's tokens to
+    text, encodes the text with the draft's tokenizer (re-using the draft's KV cache for the part that did not change),
+    lets the draft continue greedily and re-encodes the continuation with the target's tokenizer. A row's proposal is
+    the target tokens after its own, up to the length the policy chose.
+
+    The draft's distribution lives in another vocabulary, so a proposal carries none (`Proposal.probs` is `None`):
+    the verifier takes each draft token `x` as proposed with certainty (a one-hot `q`), accepts it with the target's
+    probability `p(x)` and otherwise draws from `p` without `x`, which follows `p` exactly whatever `x` is. The draft
+    therefore drafts greedily even when the target samples: its likeliest token is the one most often accepted.
+    """
+
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        target_tokenizer,
+        assistant_tokenizer,
+        generation_config: GenerationConfig,
+        vocab_size: int,
+    ) -> None:
+        self.model = draft_model
+        self.target_tokenizer = target_tokenizer
+        self.assistant_tokenizer = assistant_tokenizer
+        self.vocab_size = vocab_size
+        config = copy.deepcopy(generation_config)
+        config.do_sample = False  # greedy drafts: see the class docstring
+        config.temperature, config.top_p, config.top_k, config.min_p = None, None, None, None
+        config.max_length = 1 << 30  # the loop caps each row's draft by its remaining budget
+        config.min_length = 0
+        self.generation_config = config
+        self.rows: list[AssistedCandidateGeneratorDifferentTokenizers] = []
+        self._hook = None
+
+    def start(self, batch: TokenBatch) -> None:
+        super().start(batch)
+        self.rows = [self._generator(batch.real_tokens(row)) for row in range(batch.batch_size)]
+        if self._hook is None:
+            self._hook = self.model.register_forward_pre_hook(self._count_forward)
+
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
+    ) -> Proposal:
+        found = [self._continuation(batch, row, int(lengths[row])) for row in range(batch.batch_size)]
+        return PromptLookupProposer.proposal(batch, found)
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        self.rows = [self.rows[int(row)] for row in keep.tolist()]
+
+    def release(self) -> None:
+        self.rows = []
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _generator(self, tokens: torch.LongTensor) -> AssistedCandidateGeneratorDifferentTokenizers:
+        """A row's candidate generator; `tokens`: `[num_real]` the row's tokens."""
+        return AssistedCandidateGeneratorDifferentTokenizers(
+            input_ids=tokens.unsqueeze(0),
+            assistant_model=self.model,
+            target_tokenizer=self.target_tokenizer,
+            assistant_tokenizer=self.assistant_tokenizer,
+            generation_config=self.generation_config,
+            model_kwargs={},
+            logits_processor=LogitsProcessorList(),  # the target's processors speak the target's vocabulary
+        )
+
+    def _continuation(self, batch: TokenBatch, row: int, length: int) -> torch.LongTensor:
+        """`[found]` up to `length` target tokens that continue the row, as the draft sees it."""
+        tokens = batch.real_tokens(row)  # [num_real]
+        if length <= 0:
+            return tokens[:0]
+        generator = self.rows[row]
+        generator.num_assistant_tokens = length
+        candidates, _ = generator.get_candidates(tokens.unsqueeze(0))  # [1, num_real + new]
+        found = candidates[0, tokens.shape[0] : tokens.shape[0] + length].to(tokens.device)
+        inside = found < self.vocab_size  # a token the target's tokenizer has but its model does not score
+        return found[: int(inside.long().cumprod(0).sum())]
+
+    def _count_forward(self, module, args) -> None:
+        self.forwards += 1
