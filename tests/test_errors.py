@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_prompts, tiny_model
+from conftest import left_padded_prompts, tiny_model, word_tokenizer
 from transformers import (
     DynamicCache,
     GenerationConfig,
@@ -36,11 +36,26 @@ def run(model, inputs, **kwargs):
 
 def test_vocabulary_mismatch(target, inputs):
     other = tiny_model("llama", seed=1, vocab=80)
-    with pytest.raises(ValueError, match="vocabulary .* differs .* out of scope"):
+    with pytest.raises(ValueError, match="vocabulary .* differs .*`tokenizer=<target tokenizer>` and "
+                                         "`assistant_tokenizer=<draft tokenizer>`"):
         hf_dynspec.generate(target, **inputs, assistant_model=other, max_new_tokens=5)
     enabled = hf_dynspec.enable(tiny_model("llama", seed=0))
-    with pytest.raises(ValueError, match="different tokenizer are out of scope"):
+    with pytest.raises(ValueError, match="A draft with another tokenizer needs both tokenizers"):
         enabled.generate(**inputs, assistant_model=other, max_new_tokens=5)
+
+
+def test_draft_tokenizer_without_the_targets(target, inputs):
+    words = word_tokenizer(80)
+    with pytest.raises(ValueError, match="`assistant_tokenizer` drafts .* the target's tokenizer as `tokenizer` too"):
+        hf_dynspec.generate(target, **inputs, assistant_model=tiny_model("llama", seed=1, vocab=80),
+                            assistant_tokenizer=words, max_new_tokens=5)
+
+
+def test_draft_with_another_tokenizer_in_a_tree(target, inputs):
+    with pytest.raises(ValueError, match="another tokenizer proposes chains only: set `tree_node_budget=0`"):
+        hf_dynspec.generate(target, **inputs, assistant_model=tiny_model("llama", seed=1, vocab=80),
+                            tokenizer=word_tokenizer(), assistant_tokenizer=word_tokenizer(80), max_new_tokens=5,
+                            dynspec_config=DynSpecConfig(tree_node_budget=8))
 
 
 def test_beam_search(target, inputs):
