@@ -158,3 +158,15 @@ def test_translated_draft_samples_follow_target_distribution(small_vocab_pair): 
 
     torch.manual_seed(0)
     assert_converges(draw, joint, sizes=(100, 1_000, 10_000))
+
+
+def test_enabled_model_passes_both_tokenizers(pair, prompts):
+    target, tokenizer, draft_tokenizer, order = pair
+    ids, mask, expected = prompts
+    enabled = hf_dynspec.enable(copy.deepcopy(target))
+    out = enabled.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                           assistant_model=shuffled_copy(target, order), tokenizer=tokenizer,
+                           assistant_tokenizer=draft_tokenizer, dynspec_config=DynSpecConfig(policy="static"),
+                           return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.dynspec_stats.accepted_tokens > 0

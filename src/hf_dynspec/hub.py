@@ -288,7 +288,8 @@ README_COMPATIBILITY = """## Model compatibility
 - Decoder-only causal language models of `transformers` with full or sliding-window attention in every layer and
   the default dynamic KV cache (Llama, Qwen2, Mistral, Gemma 3 and similar). Chunked-attention, recurrent, static,
   quantized and offloaded caches are refused with an error that says so, as are encoder-decoder models.
-- The draft model (`assistant_model=`) must share the target's tokenizer (the same vocabulary). Without one, set
+- The draft model (`assistant_model=`) shares the target's tokenizer, or has its own: then pass `tokenizer=` and
+  `assistant_tokenizer=` as in transformers' universal assisted decoding (chains only). Without a draft, set
   `prompt_lookup_num_tokens=` to draft from n-grams of the prompt.
 - Batches of any size; they must be left-padded (`tokenizer.padding_side = "left"`).
 - Greedy decoding and sampling (`do_sample=True`, with temperature, top-k, top-p and other logits processors), EOS,
