@@ -18,8 +18,9 @@ def generate(model: PreTrainedModel, inputs=None, **kwargs):
 
     Takes every argument `model.generate` takes, plus `dynspec_config` and `dynspec_policy`. `assistant_model` and
     `streamer` are handed to the loop explicitly (transformers does not forward them to a callable
-    `custom_generate`), and so are `tokenizer` and `assistant_tokenizer` for a draft with another tokenizer. With sampling, `num_return_sequences=n` repeats each prompt `n` times in the batch (rows
-    `i * n` to `i * n + n - 1` continue prompt `i`, as in plain `generate`), and each row samples on its own.
+    `custom_generate`), and so are `tokenizer` and `assistant_tokenizer` for a draft with another tokenizer. With
+    sampling, `num_return_sequences=n` repeats each prompt `n` times in the batch (rows `i * n` to `i * n + n - 1`
+    continue prompt `i`, as in plain `generate`), and each row samples on its own.
     """
     if kwargs.get("custom_generate") is not None:
         raise ValueError("`custom_generate` is set by hf_dynspec.generate itself; remove it from the call.")

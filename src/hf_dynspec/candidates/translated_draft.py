@@ -47,13 +47,10 @@ class TranslatedDraftProposer(BatchedProposer):
         config.min_length = 0
         self.generation_config = config
         self.rows: list[AssistedCandidateGeneratorDifferentTokenizers] = []
-        self._hook = None
 
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
         self.rows = [self._generator(batch.real_tokens(row)) for row in range(batch.batch_size)]
-        if self._hook is None:
-            self._hook = self.model.register_forward_pre_hook(self._count_forward)
 
     def propose(
         self,
@@ -63,7 +60,11 @@ class TranslatedDraftProposer(BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        found = [self._continuation(batch, row, int(lengths[row])) for row in range(batch.batch_size)]
+        counting = self.model.register_forward_pre_hook(self._count_forward)  # the generators run the draft
+        try:
+            found = [self._continuation(batch, row, int(lengths[row])) for row in range(batch.batch_size)]
+        finally:
+            counting.remove()
         return PromptLookupProposer.proposal(batch, found)
 
     def select_rows(self, keep: torch.LongTensor) -> None:
@@ -71,9 +72,6 @@ class TranslatedDraftProposer(BatchedProposer):
 
     def release(self) -> None:
         self.rows = []
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
     def _generator(self, tokens: torch.LongTensor) -> AssistedCandidateGeneratorDifferentTokenizers:
         """A row's candidate generator; `tokens`: `[num_real]` the row's tokens."""
