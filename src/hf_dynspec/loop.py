@@ -10,7 +10,14 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteriaList,
+)
 from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -61,8 +68,8 @@ def speculative_loop(
     assistant_model: PreTrainedModel | None = None,
     dynspec_config: DynSpecConfig | dict | str | None = None,
     dynspec_policy: DraftLengthPolicy | None = None,
-    tokenizer=None,
-    assistant_tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    assistant_tokenizer: PreTrainedTokenizerBase | None = None,
     **model_kwargs,
 ) -> DynSpecOutput | torch.LongTensor:
     """Batched speculative decoding; pass it to `generate` as `custom_generate`.
@@ -80,9 +87,10 @@ def speculative_loop(
             model's generation config, else `DynSpecConfig()`.
         dynspec_policy: a policy object to use instead of building one from the config (it keeps what it learned
             across calls).
-        tokenizer, assistant_tokenizer: the target's and the draft's tokenizers, for a draft with another tokenizer
-            (as in transformers' universal assisted decoding; chains only). transformers does not forward them to a
-            callable `custom_generate`: pass them to `hf_dynspec.generate` or to a model made with `enable`.
+        tokenizer: the target's tokenizer, needed with `assistant_tokenizer`.
+        assistant_tokenizer: the draft's tokenizer, for a draft with another tokenizer (as in transformers' universal
+            assisted decoding; chains only). transformers does not forward either tokenizer to a callable
+            `custom_generate`: pass them to `hf_dynspec.generate` or to a model made with `enable`.
     """
     assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
     input_ids = input_ids.long()  # other integer dtypes would not mix with the loop's token buffers
@@ -536,7 +544,12 @@ policy's cost model and pooled acceptance survive from one `generate` call to th
 generation keeps its heuristic draft length on the draft's generation config)."""
 
 
-def _translation(draft: PreTrainedModel | None, tokenizer, assistant_tokenizer, config: DynSpecConfig) -> tuple | None:
+def _translation(
+    draft: PreTrainedModel | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    assistant_tokenizer: PreTrainedTokenizerBase | None,
+    config: DynSpecConfig,
+) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase] | None:
     """`(target tokenizer, draft tokenizer)` when the call asks for a draft with another tokenizer, else `None`;
     a clear error for what such a draft cannot do."""
     if assistant_tokenizer is None:

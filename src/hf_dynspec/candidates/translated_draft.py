@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers
 
 from ..sequences import TokenBatch
@@ -31,8 +31,8 @@ class TranslatedDraftProposer(BatchedProposer):
     def __init__(
         self,
         draft_model: PreTrainedModel,
-        target_tokenizer,
-        assistant_tokenizer,
+        target_tokenizer: PreTrainedTokenizerBase,
+        assistant_tokenizer: PreTrainedTokenizerBase,
         generation_config: GenerationConfig,
         vocab_size: int,
     ) -> None:
