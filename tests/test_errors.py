@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import left_padded_prompts, tiny_model, word_tokenizer
+from test_prefix_cache import prefix_cache
 from transformers import (
-    DynamicCache,
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
@@ -183,29 +183,21 @@ def test_assistant_model_not_a_model(target, inputs):
         run(target, inputs, assistant_model="a-draft-id")
 
 
-def prefilled(model, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, length: int) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=input_ids[:, :length], attention_mask=attention_mask[:, :length],
-              **{cache_kwarg(model.forward): cache})
-    return cache
-
-
 def test_prefilled_cache_for_another_batch(target, inputs):
-    cache = prefilled(target, inputs["input_ids"][:1], inputs["attention_mask"][:1], 3)
+    cache = prefix_cache(target, inputs["input_ids"][:1], inputs["attention_mask"][:1], 3)
     with pytest.raises(ValueError, match=r"prefix for 1 row\(s\), but the prompt has 2.*batch_repeat_interleave"):
         run(target, inputs, assistant_model=target, **{cache_kwarg(target.forward): cache})
 
 
 def test_prefilled_cache_holding_the_whole_prompt(target, inputs):
-    cache = prefilled(target, **inputs, length=6)
+    cache = prefix_cache(target, inputs["input_ids"], inputs["attention_mask"], 6)
     with pytest.raises(ValueError, match="already holds 6 tokens, but the prompt has 6.*at least one token after"):
         run(target, inputs, assistant_model=target, **{cache_kwarg(target.forward): cache})
 
 
 def test_prefilled_cache_of_a_sliding_window_target(inputs):
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)  # every layer slides
-    cache = prefilled(model, **inputs, length=3)
+    cache = prefix_cache(model, inputs["input_ids"], inputs["attention_mask"], 3)
     with pytest.raises(ValueError, match="already holds 3 tokens, and the target has sliding-window attention"):
         run(model, inputs, assistant_model=model, **{cache_kwarg(model.forward): cache})
 
