@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import word_tokenizer
 from transformers import StoppingCriteriaList
 
 from hf_dynspec import DynSpecConfig, calibration, kernels
@@ -429,3 +430,27 @@ def test_rowmajor_modifier_feeds_the_baselines_output_layer_row_major(pair, monk
     runs = {r["method"]: r for r in results["runs"]}
     assert 1 in entered and 2 in entered  # plain: the target's output layer; hf-assisted: the draft's as well
     assert runs["plain+rowmajor"]["matches_plain"] and runs["hf-assisted+rowmajor"]["matches_plain"]
+
+
+def test_text_modifier_drafts_through_the_targets_tokenizer(pair):
+    """`+text` passes the target's tokenizer as both tokenizers: the loop's draft then goes through text (a draft with
+    another tokenizer's path) and still matches plain greedy decoding."""
+    parsed = {m.name: m for m in methods.parse_methods("plain,dynspec-static:3+text,dynspec-goodput/bf16+text")}
+    assert parsed["dynspec-static:3+text"].through_text and parsed["dynspec-static:3+text"].kind == "dynspec"
+    assert parsed["dynspec-goodput/bf16+text"].through_text and parsed["dynspec-goodput/bf16+text"].draft_variant
+    assert not parsed["plain"].through_text
+    for name in ("plain+text", "hf-assisted+text", "dynspec-prompt-lookup+text"):
+        with pytest.raises(MethodError, match="dynspec methods with a draft model only"):
+            methods.parse_method(name)
+    with pytest.raises(MethodError, match="always feed output layers row-major"):
+        methods.parse_method("dynspec-goodput+text+narrow")
+    prompts = random_token_prompts(3, TINY_VOCAB, seed=4)
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        runner.Runner(pair[0], pair[1], max_new_tokens=6).run(parsed["dynspec-static:3+text"], prompts, 1,
+                                                              progress=False)
+    words = word_tokenizer(TINY_VOCAB, {"pad": TINY_PAD, "eos": TINY_EOS})
+    run = runner.Runner(pair[0], pair[1], max_new_tokens=6, tokenizer=words)
+    plain = run.run(parsed["plain"], prompts, batch_size=3, progress=False)
+    outcome = run.run(parsed["dynspec-static:3+text"], prompts, batch_size=3, progress=False)
+    assert outcome.tokens == plain.tokens
+    assert outcome.draft_forwards > 0

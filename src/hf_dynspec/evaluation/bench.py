@@ -290,7 +290,8 @@ def run_benchmark(
         prompts = prompts if prompts is not None else loaded_prompts
     variants = sorted({m.draft_variant for m in methods if m.draft_variant} - set(variant_drafts or {}))
     variant_drafts = {**(variant_drafts or {}), **load_variant_drafts(settings, variants, draft)}
-    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts)
+    tokenizer = target_tokenizer(settings) if any(m.through_text for m in methods) and not settings.tiny else None
+    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts, tokenizer)
     budgets = (
         long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
         if settings.output_lengths == "long-tail"
@@ -462,6 +463,13 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     target = load_model(target_location, target_options)
     settings.loaded_models["target"] = target.hf_dynspec_load
     return target, draft, prompts
+
+
+def target_tokenizer(settings: BenchSettings) -> Any:
+    """The bench target's tokenizer (methods that draft through text pass it to `generate`)."""
+    from .models import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(settings.load_options("target")[0]))
 
 
 def prompt_ids(settings: BenchSettings, tokenizer: Any, count: int) -> list[list[int]]:

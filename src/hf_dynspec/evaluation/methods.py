@@ -26,6 +26,12 @@ Any method that uses the draft model may end in `/<variant>` to run with a varia
 A `plain` or `hf-*` method may end in `+narrow`, `+rowmajor` or both (`hf-assisted+narrow+rowmajor`) to run with the
 kernels the speculative loop uses (`kernels.NarrowLinear`, `kernels.row_major_output`), so that a baseline is not
 slower for a reason that has nothing to do with speculation.
+
+A `dynspec-*` method that uses the draft model may end in `+text` (`dynspec-goodput+text`) to pass the target's
+tokenizer as both `tokenizer` and `assistant_tokenizer`: every step then goes through text, as with a draft that has
+another tokenizer (`candidates.translated_draft`), and the bench measures what that path costs on a pair that shares a
+tokenizer. (Transformers' own assisted generation refuses `assistant_tokenizer` when the two vocabularies have the
+same size, so `hf-*` methods cannot take `+text`.)
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ NARROW = "narrow"
 """The `+narrow` method modifier."""
 ROW_MAJOR = "rowmajor"
 """The `+rowmajor` method modifier."""
-MODIFIERS = (NARROW, ROW_MAJOR)
-"""What may follow a `plain` or `hf-*` method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels
-the speculative loop runs with, so that a baseline can have them too."""
+TEXT = "text"
+"""The `+text` method modifier."""
+MODIFIERS = (NARROW, ROW_MAJOR, TEXT)
+"""What may follow a method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels the speculative
+loop runs with, so that a baseline can have them too (`plain` and `hf-*` only), and drafting through text."""
 DEFAULT_LOOKUP_TOKENS = 10
 DEFAULT_TREE_NODES = 12
 DEFAULT_TRIE_NODES = 10
@@ -71,6 +79,9 @@ class Method:
     """`plain` and `hf-*` methods: run `generate` inside `kernels.NarrowLinear` (the `+narrow` suffix)."""
     row_major: bool = False
     """`plain` and `hf-*` methods: run `generate` inside `kernels.row_major_output` (the `+rowmajor` suffix)."""
+    through_text: bool = False
+    """`dynspec-*` methods with a draft: pass the target's tokenizer as `tokenizer` and `assistant_tokenizer` (the `+text`
+    suffix), so the draft reads and writes text as a draft with another tokenizer does."""
 
     @property
     def batched(self) -> bool:
@@ -114,14 +125,22 @@ def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
     unknown = [m for m in modifiers if m not in MODIFIERS]
     if unknown:
         raise MethodError(f"In method {name!r} the modifiers after '+' may only be {list(MODIFIERS)}; got {unknown}.")
-    if method.kind == "dynspec":
+    kernels = [m for m in modifiers if m != TEXT]
+    if method.kind == "dynspec" and kernels:
         raise MethodError(
             f"Method {name!r}: dynspec methods always feed output layers row-major inputs and choose narrow products "
             f"with the option narrow_linear (e.g. --policy-option goodput@stock.narrow_linear=off); drop "
-            f"'+{'+'.join(modifiers)}'."
+            f"'+{'+'.join(kernels)}'."
+        )
+    if TEXT in modifiers and not (method.kind == "dynspec" and method.uses_draft):
+        raise MethodError(
+            f"Method {name!r}: '+{TEXT}' re-encodes a draft model's text in the speculative loop, so it applies to "
+            f"dynspec methods with a draft model only (transformers' assisted generation refuses a second tokenizer "
+            f"when both vocabularies have the same size); drop '+{TEXT}'."
         )
     return dataclasses.replace(method, name=name, narrow=NARROW in modifiers or method.narrow,
-                               row_major=ROW_MAJOR in modifiers or method.row_major)
+                               row_major=ROW_MAJOR in modifiers or method.row_major,
+                               through_text=TEXT in modifiers or method.through_text)
 
 
 def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> Method:

@@ -166,12 +166,14 @@ class Runner:
         do_sample: bool = False,
         seed: int = 0,
         variant_drafts: dict[str, PreTrainedModel] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         """
         Args:
             variant_drafts: drafts for methods with a `draft_variant`, by variant (e.g. `{"4bit": model}`).
+            tokenizer: the target's tokenizer, which methods that draft through text (`+text`) need.
         """
-        self.target, self.draft = target, draft
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.variant_drafts = dict(variant_drafts or {})
         self.max_new_tokens, self.do_sample, self.seed = max_new_tokens, do_sample, seed
         config = target.generation_config
@@ -197,6 +199,9 @@ class Runner:
         """Generate for every prompt (in order) with `method`, `batch_size` prompts per `generate` call."""
         if method.uses_draft and self._draft(method) is None:
             raise ValueError(f"Method {method.name!r} needs a draft model; pass one (--draft).")
+        if method.through_text and self.tokenizer is None:
+            raise ValueError(f"Method {method.name!r} drafts through text and needs the target's tokenizer, which "
+                             "tiny models (--tiny) do not have; drop '+text' or bench a real model.")
         self._target_counter.take(), self._draft_forwards()
         outcome = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
         chunks = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
@@ -282,6 +287,8 @@ class Runner:
             self._record_stats(stats, outcome)
 
     def _call(self, method: Method, kwargs: dict[str, Any]):
+        if method.through_text:
+            kwargs.update(tokenizer=self.tokenizer, assistant_tokenizer=self.tokenizer)
         if method.kind == "plain":
             return self.target.generate(**kwargs)
         if method.kind == "hf":
