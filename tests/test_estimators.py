@@ -406,6 +406,28 @@ def test_online_cost_model_times_draft_forwards_of_draft_model_rows_only() -> No
     assert float(model.draft(np.array([2]))[0]) == pytest.approx(0.1)
 
 
+def test_online_cost_model_prices_a_draft_that_runs_rows_apart_by_its_rows_drafts() -> None:
+    """A draft that drafts each row in forwards of its own (another tokenizer's, re-encoded row by row): a step's draft
+    seconds are per row-forward, learned at one row, and a step's price grows with every row's draft, not its longest
+    alone. A change of mode forgets the knots learned the other way."""
+    model = OnlineCostModel(warmup_steps=0)
+    model.observe(StepFeedback(torch.arange(4), torch.full((4,), 4), torch.full((4,), 4), torch.zeros(4, dtype=torch.long),
+                               0.8, 0.2, 20))
+    assert sorted(model.draft_samples) == [4]  # batched: 4 forwards over 4 rows, 0.2 s each
+    model.set_rows_apart(True)
+    assert not model.draft_samples
+    lengths = torch.tensor([3, 0, 2, 1])
+    model.observe(StepFeedback(torch.arange(4), lengths, lengths, torch.zeros(4, dtype=torch.long), 0.6, 0.2, 16))
+    assert sorted(model.draft_samples) == [1]
+    assert float(model.draft(np.array([1]))[0]) == pytest.approx(0.1)  # 6 one-row forwards in 0.6 s
+    verify = float(model.verify(np.array([12.0]))[0])
+    assert model.step_seconds(4, torch.tensor([2, 2, 2, 2])) == pytest.approx(verify + 8 * 0.1)
+    assert model.step_seconds(4, torch.tensor([2, 0, 0, 0])) == pytest.approx(verify + 2 * 0.1)
+    candidates = torch.tensor([[2, 2, 2, 2], [2, 0, 0, 0]])
+    assert model.candidate_seconds(4, candidates).tolist() == pytest.approx([verify + 0.8, verify + 0.2])
+    assert model.evidence.rows_apart and model.optimistic().rows_apart
+
+
 def _observe_one_row(model: OnlineCostModel, longest: int, verify_seconds: float, draft_seconds: float = 0.0) -> None:
     lengths = torch.full((1,), longest)
     model.observe(StepFeedback(torch.arange(1), lengths, lengths, lengths, draft_seconds, verify_seconds, 1 + longest))

@@ -555,6 +555,25 @@ def in_memory_cost() -> PaddedCostModel:
     return PaddedCostModel(PiecewiseLinear.fit({1: (0.15, 1), 64: (3.3, 1)}), PiecewiseLinear.fit({1: (0.05, 1)}))
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_goodput_prices_a_draft_that_runs_rows_apart_per_row(batch: int) -> None:
+    """Verifying is free and a draft forward costs 0.15 of a step at any batch size. A batched draft pays for 8 rows
+    what it pays for one; a draft that runs its rows apart (`PrefillFeedback.draft_rows_apart`) pays 8 times as
+    much, which acceptance 0.8 does not repay: it drafts alone, never in a batch of 8."""
+    drafted = []
+    for rows_apart in (False, True):
+        cost = PaddedCostModel(PiecewiseLinear.fit({1: (1.0, 1), 128: (1.0, 1)}), PiecewiseLinear.fit({1: (0.15, 1)}))
+        policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.8, prior_weight=1000.0, loss_budget=None,
+                                               early_stop=None, probe_interval=0), cost_model=cost)
+        policy.reset(batch)
+        policy.observe_prefill(PrefillFeedback(batch, 10 * batch, 1.0, 0.3, rows_apart))
+        assert cost.rows_apart == rows_apart
+        drafted.append(int(policy.draft_lengths(request(batch, 4)).sum()))
+    batched, apart = drafted
+    assert batched > 0
+    assert (apart > 0) if batch == 1 else (apart == 0)
+
+
 def drafted_until_stop(policy: GoodputPolicy, probs: list[float]) -> int:
     """Draft tokens a one-row step keeps under the marginal stop, the draft being `probs` sure of each."""
     requested = int(policy.draft_lengths(request(1, len(probs)))[0])  # the cap, or what the loss budget allows

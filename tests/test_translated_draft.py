@@ -22,7 +22,9 @@ from transformers import (
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.draft_model import MAX_INLINE_TAIL
 from hf_dynspec.candidates.translated_draft import TranslatedDraftProposer
+from hf_dynspec.policies import PolicyInput, PrefillFeedback, StaticPolicy, StepFeedback
 from hf_dynspec.sequences import TokenBatch
 
 SPECIALS = {"pad": PAD, "bos": BOS, "eos": EOS}
@@ -132,6 +134,81 @@ def test_translated_draft_proposes_the_same_under_sampling(pair):
     assert first.probs is None
     assert torch.equal(first.tokens, second.tokens) and torch.equal(first.lengths, second.lengths)
     assert first.lengths.tolist()[1] == 0 and 0 < first.lengths[0] <= 5 and 0 < first.lengths[2] <= 3
+
+
+def test_translated_draft_times_each_rows_catch_up_apart_and_reports_its_backlog(pair):
+    """Rows draft one after another (`rows_apart`). A row's first draft forward reads its whole prompt: a catch-up,
+    timed apart and announced beforehand as the row's backlog; the one-token forwards after it are the drafting
+    forwards. A row that drafted has only the target's newest token left to read."""
+    target, tokenizer, draft_tokenizer, order = pair
+    ids, mask = left_padded_prompts([6, 8, 7], seed=2)
+    draft = perturbed(shuffled_copy(target, order), scale=0.3)
+    config = GenerationConfig(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    proposer = TranslatedDraftProposer(draft, tokenizer, draft_tokenizer, config, VOCAB)
+    assert proposer.rows_apart
+    batch = TokenBatch(ids.clone(), ids.shape[1], mask.sum(dim=1), torch.zeros(3, dtype=torch.long), PAD,
+                       max_new_tokens=16)
+    proposer.start(batch)
+    assert torch.equal(proposer.backlog(batch), batch.num_real)
+    widths: list[int] = []
+    counting = draft.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[-1]),
+                                               with_kwargs=True)
+    try:
+        proposal = proposer.propose(batch, torch.tensor([5, 0, 4]))
+        assert proposer.catchup_seconds > 0
+        assert proposer.catchup_tokens == sum(w for w in widths if w > 2) > 0
+        assert sorted(widths)[-2] > 2 and proposer.forwards == len(widths)  # two catch-ups among the forwards
+        kept = torch.zeros(3, 1 + proposal.max_length, dtype=torch.bool)
+        kept[:, :2] = True  # the root and each row's first draft token (none for row 1, which did not draft)
+        proposer.commit(batch, proposal, kept)
+        batch.num_generated += 2  # the step's emitted tokens: the accepted draft token and the target's own
+        drafted = proposal.lengths > 0
+        assert torch.equal(proposer.backlog(batch), torch.where(drafted, 1, batch.num_real))
+        widths.clear()
+        proposer.propose(batch, torch.tensor([3, 0, 0]))  # row 0 again: its draft's cache holds the row
+        assert proposer.catchup_seconds == 0 and proposer.catchup_tokens == 0 and max(widths) <= 2
+    finally:
+        counting.remove()
+        proposer.release()
+
+
+class RecordingPolicy(StaticPolicy):
+    """The static policy, keeping what the loop tells it."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.prefills: list[PrefillFeedback] = []
+        self.requests: list[PolicyInput] = []
+        self.steps: list[StepFeedback] = []
+
+    def observe_prefill(self, feedback: PrefillFeedback) -> None:
+        self.prefills.append(feedback)
+
+    def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
+        self.requests.append(request)
+        return super().draft_lengths(request)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.steps.append(feedback)
+
+
+def test_the_loop_tells_the_policy_how_a_translated_draft_costs(pair, prompts):
+    """The policy hears that rows draft apart, sees each row's prompt as its backlog before the first draft, then a
+    backlog within the inline tail on every step after one in which every row drafted; the first step's catch-up is
+    reported apart from its drafting."""
+    target, tokenizer, draft_tokenizer, order = pair
+    ids, mask, expected = prompts
+    policy = RecordingPolicy()
+    out = translated(target, perturbed(shuffled_copy(target, order), scale=0.05), tokenizer, draft_tokenizer, ids,
+                     mask, do_sample=False, dynspec_policy=policy, dynspec_config=DynSpecConfig(prefill_draft_confidence=None))
+    assert torch.equal(out.sequences, expected)
+    assert [feedback.draft_rows_apart for feedback in policy.prefills] == [True]
+    first = policy.requests[0]
+    assert bool((first.backlog > MAX_INLINE_TAIL).all())
+    assert policy.steps[0].catchup_seconds > 0 and policy.steps[0].catchup_tokens > 0
+    for before, request in zip(policy.steps, policy.requests[1:]):
+        if bool((before.draft_lengths > 0).all()) and before.batch_size == request.batch_size:
+            assert bool((request.backlog <= MAX_INLINE_TAIL).all()), request.backlog
 
 
 def test_translated_draft_samples_follow_target_distribution(small_vocab_pair):  # noqa: F811

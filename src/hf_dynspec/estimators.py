@@ -255,32 +255,53 @@ class PaddedCostModel(StepCostModel):
     measures what each further token costs where the forward is compute-bound.
     """
 
-    def __init__(self, verify: PiecewiseLinear | None, draft: PiecewiseLinear | None) -> None:
+    def __init__(
+        self, verify: PiecewiseLinear | None, draft: PiecewiseLinear | None, rows_apart: bool = False
+    ) -> None:
         self.verify = verify
         self.draft = draft
+        self.rows_apart = rows_apart
+        """The draft runs each row in forwards of its own (`BatchedProposer.rows_apart`): a step's draft forwards
+        are the sum of its rows' drafts, each over one row, instead of its longest draft over the whole batch."""
+
+    def draft_rows(self, batch_size: int) -> int:
+        """Rows in each draft forward of a step at `batch_size` rows (the draft curve's knot that prices it)."""
+        return 1 if self.rows_apart else batch_size
+
+    def set_rows_apart(self, rows_apart: bool) -> None:
+        """Price the draft as running each row apart (or the whole batch at once); see `rows_apart`."""
+        self.rows_apart = rows_apart
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if self.verify is not None and tokens > 0 and seconds > 0:
             self.verify = replace(self.verify, far=(float(tokens), float(seconds)))
 
-    def padded_seconds(self, batch_size: int, max_lengths: np.ndarray) -> np.ndarray:
-        """`[n]` seconds of steps whose longest draft is `max_lengths` (`[n]`) at `batch_size` active rows."""
+    def padded_seconds(
+        self, batch_size: int, max_lengths: np.ndarray, totals: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`[n]` seconds of steps whose longest draft is `max_lengths` (`[n]`) at `batch_size` active rows, with
+        `totals` (`[n]`) draft tokens over all rows (default: every row drafts the longest)."""
         k = np.asarray(max_lengths, dtype=np.float64)
         verify = self.verify(batch_size * (1.0 + k)) if self.verify is not None else np.ones_like(k)
-        per_forward = float(self.draft(np.array([batch_size]))[0]) if self.draft is not None else 0.0
-        return verify + k * per_forward
+        if self.draft is None:
+            return verify
+        per_forward = float(self.draft(np.array([self.draft_rows(batch_size)]))[0])
+        if not self.rows_apart:
+            return verify + k * per_forward
+        return verify + (batch_size * k if totals is None else np.asarray(totals, dtype=np.float64)) * per_forward
 
     def step_seconds(self, batch_size: int, lengths: torch.LongTensor) -> float:
         longest = int(lengths.max()) if lengths.numel() else 0
-        return float(self.padded_seconds(batch_size, np.array([longest]))[0])
+        total = int(lengths.sum()) if lengths.numel() else 0
+        return float(self.padded_seconds(batch_size, np.array([longest]), np.array([total]))[0])
 
     def candidate_seconds(self, batch_size: int, lengths: torch.LongTensor) -> torch.Tensor:
         values = lengths.detach().cpu().numpy()
         longest = values.max(axis=1) if values.shape[1] else np.zeros(values.shape[0])
-        return torch.from_numpy(self.padded_seconds(batch_size, longest))
+        return torch.from_numpy(self.padded_seconds(batch_size, longest, values.sum(axis=1)))
 
     def summary_seconds(self, batch_size: int, longest: np.ndarray, total: np.ndarray) -> np.ndarray:
-        return self.padded_seconds(batch_size, longest)
+        return self.padded_seconds(batch_size, longest, total)
 
 
 class ProfileCostModel(PaddedCostModel):
@@ -295,12 +316,17 @@ class ProfileCostModel(PaddedCostModel):
         self.profile = profile
 
 
-def draft_model_forwards(lengths: torch.LongTensor, free_rows: torch.BoolTensor | None) -> int:
+def draft_model_forwards(
+    lengths: torch.LongTensor, free_rows: torch.BoolTensor | None, rows_apart: bool = False
+) -> int:
     """Draft-model forwards of a step with draft `lengths` (`[batch]`): its longest draft among rows not served by
-    prompt lookup (`free_rows`, a hybrid's lookup rows propose without a forward)."""
+    prompt lookup (`free_rows`, a hybrid's lookup rows propose without a forward); with `rows_apart` (each row
+    drafts in forwards of its own, `PaddedCostModel.rows_apart`) the sum of those rows' drafts."""
     if free_rows is not None:
         lengths = torch.where(free_rows.to(lengths.device), torch.zeros_like(lengths), lengths)
-    return int(lengths.max()) if lengths.numel() else 0
+    if not lengths.numel():
+        return 0
+    return int(lengths.sum()) if rows_apart else int(lengths.max())
 
 
 class OnlineCostModel(PaddedCostModel):
@@ -374,15 +400,23 @@ class OnlineCostModel(PaddedCostModel):
         if self.steps_observed <= self.warmup_steps or feedback.batch_size == 0:
             return
         self._add(self.verify_samples, int(feedback.target_tokens), float(feedback.verify_seconds))
-        forwards = draft_model_forwards(feedback.draft_lengths, feedback.free_rows)
+        forwards = draft_model_forwards(feedback.draft_lengths, feedback.free_rows, self.rows_apart)
         if forwards > 0 and feedback.draft_seconds > 0:
-            self._add(self.draft_samples, feedback.batch_size, float(feedback.draft_seconds) / forwards)
+            self._add(self.draft_samples, self.draft_rows(feedback.batch_size), float(feedback.draft_seconds) / forwards)
         self._refit()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.prefill_point = (float(tokens), float(seconds))
             self._refit()
+
+    def set_rows_apart(self, rows_apart: bool) -> None:
+        """As `PaddedCostModel.set_rows_apart`; draft knots learned the other way are keyed by other batch sizes, so
+        a change forgets them."""
+        if rows_apart != self.rows_apart:
+            self.draft_samples.clear()
+        self.rows_apart = rows_apart
+        self._refit()
 
     def exploration_length(self, batch_size: int, max_draft_tokens: int) -> int | None:
         if max_draft_tokens <= 0:
@@ -418,7 +452,9 @@ class OnlineCostModel(PaddedCostModel):
         self.verify = self._fit(self.verify_samples, extrapolate=False, far=self.prefill_point)
         self.draft = self._fit(self.draft_samples, extrapolate=False, typical=True, prior=self._draft_prior(self.verify))
         self.evidence = PaddedCostModel(
-            _as_measured(self.verify_samples, min, self.prefill_point), _as_measured(self.draft_samples, _median)
+            _as_measured(self.verify_samples, min, self.prefill_point),
+            _as_measured(self.draft_samples, _median),
+            self.rows_apart,
         )
 
     def has_measured(self, tokens: int) -> bool:
@@ -432,7 +468,8 @@ class OnlineCostModel(PaddedCostModel):
     def optimistic(self) -> PaddedCostModel:
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
         verify = self._fit(self.verify_samples, True, far=self.prefill_point)
-        return PaddedCostModel(verify, self._fit(self.draft_samples, True, typical=True, prior=self._draft_prior(verify)))
+        draft = self._fit(self.draft_samples, True, typical=True, prior=self._draft_prior(verify))
+        return PaddedCostModel(verify, draft, self.rows_apart)
 
     def _draft_prior(self, verify: PiecewiseLinear | None) -> Callable[[np.ndarray], np.ndarray] | None:
         """`draft_ratio` times a plain step at each batch size (`None` while either is unknown)."""

@@ -262,7 +262,9 @@ class _Run:
         self.stats.prefill_seconds = self.placement.clock() - start - drafting
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefilled = input_ids[:, cached:].numel()  # tokens the prefill's forward computed
-        prefill = PrefillFeedback(input_ids.shape[0], prefilled, self.stats.prefill_seconds, ratio)
+        prefill = PrefillFeedback(
+            input_ids.shape[0], prefilled, self.stats.prefill_seconds, ratio, self.proposer.rows_apart
+        )
         self.policy.observe_prefill(prefill)
         return batch
 

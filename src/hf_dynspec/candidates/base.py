@@ -77,6 +77,9 @@ class BatchedProposer(ABC):
     last_free_rows: torch.BoolTensor | None = None
     #: the proposer's model (`None` for model-free proposers)
     model = None
+    #: each row drafts in model forwards of its own, so a step's draft time grows with the rows that draft (policies
+    #: price it so, `PrefillFeedback.draft_rows_apart`); False: one forward drafts a token for the whole batch
+    rows_apart: bool = False
 
     def start(self, batch: TokenBatch) -> None:
         """Begin a new `generate` call on `batch` (the prompt plus the first generated token)."""

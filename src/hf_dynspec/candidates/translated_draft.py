@@ -4,6 +4,7 @@ continuation re-encoded for the target (transformers' universal assisted decodin
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
@@ -11,6 +12,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
+from .draft_model import MAX_INLINE_TAIL
 from .prompt_lookup import PromptLookupProposer
 
 
@@ -26,7 +28,14 @@ class TranslatedDraftProposer(BatchedProposer):
     the verifier takes each draft token `x` as proposed with certainty (a one-hot `q`), accepts it with the target's
     probability `p(x)` and otherwise draws from `p` without `x`, which follows `p` exactly whatever `x` is. The draft
     therefore drafts greedily even when the target samples: its likeliest token is the one most often accepted.
+
+    Rows draft one after another (`rows_apart`), so a step's draft time grows with the rows that draft. A draft forward
+    wider than `MAX_INLINE_TAIL` tokens (a row's prompt, the first time it drafts, or the tokens of its steps without
+    speculation) is a catch-up, timed apart from drafting (`catchup_seconds`) as the draft model proposer does, and
+    `backlog` tells the policy about it before it is paid.
     """
+
+    rows_apart = True
 
     def __init__(
         self,
@@ -47,10 +56,17 @@ class TranslatedDraftProposer(BatchedProposer):
         config.min_length = 0
         self.generation_config = config
         self.rows: list[AssistedCandidateGeneratorDifferentTokenizers] = []
+        self.num_seen = torch.zeros(0, dtype=torch.long)  # [batch] each row's tokens its draft has processed
+        self._catchup_started: float | None = None
 
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
         self.rows = [self._generator(batch.real_tokens(row)) for row in range(batch.batch_size)]
+        self.num_seen = torch.zeros_like(batch.num_real)
+
+    def backlog(self, batch: TokenBatch) -> torch.LongTensor:
+        """`[batch]` each row's tokens not yet in its draft's cache (the prompt, before the row first drafts)."""
+        return batch.num_real - self.num_seen
 
     def propose(
         self,
@@ -60,15 +76,28 @@ class TranslatedDraftProposer(BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        counting = self.model.register_forward_pre_hook(self._count_forward)  # the generators run the draft
+        self.catchup_seconds, self.catchup_tokens = 0.0, 0
+        hooks = [  # the generators run the draft: count its forwards and time its catch-ups
+            self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            self.model.register_forward_hook(self._after_forward),
+        ]
         try:
             found = [self._continuation(batch, row, int(lengths[row])) for row in range(batch.batch_size)]
         finally:
-            counting.remove()
+            for hook in hooks:
+                hook.remove()
         return PromptLookupProposer.proposal(batch, found)
+
+    def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
+        """A row that drafted has its tokens before the step (`batch` is not yet updated) and its accepted draft tokens
+        in its draft's cache: only the target's token of this step is new to it."""
+        drafted = proposal.lengths.to(self.num_seen.device) > 0
+        accepted = kept[:, 1:].sum(dim=1).to(self.num_seen.device)  # [batch] kept nodes after the root
+        self.num_seen = torch.where(drafted, batch.num_real + accepted, self.num_seen)
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.rows = [self.rows[int(row)] for row in keep.tolist()]
+        self.num_seen = self.num_seen[keep.to(self.num_seen.device)]
 
     def release(self) -> None:
         self.rows = []
@@ -97,5 +126,17 @@ class TranslatedDraftProposer(BatchedProposer):
         inside = found < self.vocab_size  # a token the target's tokenizer has but its model does not score
         return found[: int(inside.long().cumprod(0).sum())]
 
-    def _count_forward(self, module, args) -> None:
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Count the forward; one over more than `MAX_INLINE_TAIL` new tokens is a catch-up, timed until
+        `_after_forward` (as the draft model proposer counts and times its catch-up forwards)."""
         self.forwards += 1
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        width = int(ids.shape[-1]) if ids is not None else 1
+        if width > MAX_INLINE_TAIL:
+            self.catchup_tokens += width
+            self._catchup_started = time.perf_counter()
+
+    def _after_forward(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self._catchup_started is not None:
+            self.catchup_seconds += time.perf_counter() - self._catchup_started
+            self._catchup_started = None

@@ -60,13 +60,15 @@ class PrefillFeedback:
     """The target's prefill of a `generate` call, given to `DraftLengthPolicy.observe_prefill` before the first step.
 
     `draft_cost_ratio` (the draft's parameter count over the target's) lets a policy price the draft's own prefill
-    before paying it; it is `None` without a draft model.
+    before paying it; it is `None` without a draft model. With `draft_rows_apart` a step's draft costs grow with the
+    rows that draft, not with the longest draft alone.
     """
 
     batch_size: int
     tokens: int  # tokens the target processed, padding included (batch_size * prompt width)
     seconds: float
     draft_cost_ratio: float | None = None
+    draft_rows_apart: bool = False  # the proposer drafts each row in forwards of its own (`BatchedProposer.rows_apart`)
 
 
 class DraftLengthPolicy(ABC):

@@ -364,6 +364,8 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
+        if isinstance(self.cost_model, PaddedCostModel):
+            self.cost_model.set_rows_apart(feedback.draft_rows_apart)
         self.cost_model.observe_prefill(feedback.tokens, feedback.seconds)
         if isinstance(self.cost_model, OnlineCostModel):
             self.cost_model.draft_ratio = feedback.draft_cost_ratio
@@ -458,8 +460,9 @@ class GoodputPolicy(DraftLengthPolicy):
         if request.free_lengths is not None:
             acceptance = torch.maximum(acceptance, self._lookup_estimate(rows, z))
         plain = self._plain_seconds(request.batch_size)
-        draft = self.cost_model.draft if isinstance(self.cost_model, PaddedCostModel) else None
-        per_forward = float(draft(np.array([request.batch_size]))[0]) if draft is not None else 0.0
+        model = self.cost_model if isinstance(self.cost_model, PaddedCostModel) else None
+        draft = model.draft if model is not None else None
+        per_forward = float(draft(np.array([model.draft_rows(request.batch_size)]))[0]) if draft is not None else 0.0
         if request.free_lengths is not None:
             per_forward = 0.0
         gains = expected_tokens(acceptance, caps) / (plain + caps.double() * per_forward)  # [batch] per-row rates
@@ -609,15 +612,18 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def _draft_forward_seconds(self, batch: int, tokens: int) -> float:
         """A draft forward over `tokens` tokens at `batch` rows: its one-token forward times the target's cost of
-        `tokens` tokens over its cost of `batch` (0 while either is unknown). Past the verify curve's last knot the
+        `tokens` tokens over its cost of `batch` (0 while either is unknown); a draft that runs rows apart runs
+        `batch` such forwards of one row each over their share of `tokens`. Past the verify curve's last knot the
         target's cost follows the line to the call's prefill (`PiecewiseLinear.far`): carried along the
         last segment to a prompt-wide catch-up, two knots a few tokens apart (one timed slow) can price that
         catch-up several times too high, and then the catch-up's share keeps a whole call from drafting."""
         model = self.cost_model
         if not isinstance(model, PaddedCostModel) or model.draft is None or model.verify is None:
             return 0.0
-        one, wide = model.verify(np.array([float(batch), float(tokens)]))
-        return float(model.draft(np.array([batch]))[0]) * float(wide) / max(float(one), 1e-12)
+        rows = model.draft_rows(batch)
+        forwards = batch // rows
+        one, wide = model.verify(np.array([float(rows), float(tokens) / forwards]))
+        return forwards * float(model.draft(np.array([rows]))[0]) * float(wide) / max(float(one), 1e-12)
 
     def _price(
         self,
@@ -636,17 +642,19 @@ class GoodputPolicy(DraftLengthPolicy):
         Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
         plain step (so a first exploration is not mistaken for free).
         """
-        forwards = draft_model_forwards(lengths, free)
         model = self.cost_model if model is None else model
         if not isinstance(model, PaddedCostModel):
+            forwards = draft_model_forwards(lengths, free)
             return float(model.step_seconds(batch, lengths)) + (catchup if forwards else 0.0)
+        forwards = draft_model_forwards(lengths, free, model.rows_apart)
         longest = float(lengths.max()) if lengths.numel() else 0.0
         tokens = batch * (1.0 + longest) if target_tokens is None else float(target_tokens)
         seconds = float(model.verify(np.array([tokens]))[0]) if model.verify is not None else 1.0
+        rows = model.draft_rows(batch)
         if model.draft is not None:
-            per_forward = float(model.draft(np.array([batch]))[0])
+            per_forward = float(model.draft(np.array([rows]))[0])
         else:
-            per_forward = (self.draft_ratio or 0.0) * self._plain_seconds(batch)
+            per_forward = (self.draft_ratio or 0.0) * self._plain_seconds(rows)
         return seconds + forwards * per_forward + (catchup if forwards else 0.0)
 
     def _affordable_lengths(self, request: PolicyInput, lengths: torch.LongTensor, catchup: float) -> torch.LongTensor:
@@ -767,7 +775,7 @@ def _measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
     cost models are taken at their word)."""
     if not isinstance(cost_model, OnlineCostModel):
         return True
-    return cost_model.has_measured(batch * (1 + longest)) and batch in cost_model.draft_samples
+    return cost_model.has_measured(batch * (1 + longest)) and cost_model.draft_rows(batch) in cost_model.draft_samples
 
 
 def _verify_only(cost_model: StepCostModel) -> StepCostModel:
