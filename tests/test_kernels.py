@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,8 +116,40 @@ def test_auto_measures_the_largest_linear_but_the_head():
         seen.append(rows)
         return 1.0
 
-    narrow_rows(model, "auto", timer=timer)
-    assert seen == [2, 2]  # equal times: not faster, so measuring stops at the first width
+    plan = kernels.linear_plan(model, "auto", timer=timer)
+    assert seen[:2] == [2, 2]  # equal times: weight-first not faster, so its measuring stops at the first width
+    assert seen[2:] == list(range(2, kernels.PADDED_ROWS + 1))  # F.linear at every row count, for padding
+    assert plan == kernels.LinearPlan(0, tuple(range(kernels.PADDED_ROWS + 1)))  # equal times: nothing padded
+
+
+def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
+    """As oneDNN in float32 on an Intel Xeon without AMX: 13 to 15 rows cost 1.5x 16 rows. Products over 12 to 15 rows
+    are computed over 16, which is at least `MIN_SPEEDUP` faster (11 rows cost 4.3, 16 rows 4.1: not enough); 16 and
+    wider stay."""
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    costs = {rows: 1.0 + 0.3 * rows for rows in range(1, 13)} | {13: 5.2, 14: 5.2, 15: 5.2}
+    costs |= {rows: 3.3 + 0.05 * rows for rows in range(16, kernels.PADDED_ROWS + 1)}
+
+    def timer(kind, rows, fn):
+        return costs[rows] if kind == "linear" else 2.0 * costs[rows]  # weight-first never faster
+
+    plan = kernels.linear_plan(model, "auto", timer=timer)
+    assert plan.narrow_rows == 0
+    assert [plan.padded(rows) for rows in range(1, 18)] == list(range(1, 12)) + [16] * 5 + [17]
+    assert plan.padded(kernels.PADDED_ROWS + 10) == kernels.PADDED_ROWS + 10
+    layer = torch.nn.Linear(32, 64)
+    x = torch.randn(2, 7, 32)  # 14 rows: computed over 16
+    with torch.inference_mode():
+        reference = layer(x)
+        seen: list[int] = []
+        with NarrowLinear(plan):
+            hook = layer.register_forward_hook(lambda module, args, out: seen.append(out.shape[:-1].numel()))
+            padded = layer(x)
+            hook.remove()
+    assert padded.shape == reference.shape and torch.allclose(padded, reference, atol=1e-6)
+    assert seen == [14]  # the padding rows are dropped again
+    assert kernels.padded_linear(x, layer.weight, layer.bias, 16).shape == (2, 7, 64)
+    assert isinstance(kernels.narrow_linear(kernels.LinearPlan()), contextlib.nullcontext)
 
 
 def test_placement_computes_verify_forwards_weight_first(monkeypatch):

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from .cache import cache_kwarg, loop_cache, sliding_windows
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
-from .kernels import NARROW_LINEAR, narrow_linear, narrow_rows, row_major_output
+from .kernels import NARROW_LINEAR, LinearPlan, linear_plan, narrow_linear, narrow_rows, row_major_output
 from .placement import input_device
 from .policies.batch_table import BatchTablePolicy
 
@@ -85,7 +85,8 @@ def time_call(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
 
 class _CachedForward:
     """Forwards of `tokens_per_row` random tokens on top of a fixed `context_length`-token KV cache, with linear
-    layers over up to `narrow_rows` rows computed weight-first, as the loop computes them (`kernels.NarrowLinear`)."""
+    layers over up to `narrow_rows` rows computed weight-first (or as a `kernels.LinearPlan` says), as the loop
+    computes them (`kernels.NarrowLinear`)."""
 
     def __init__(
         self,
@@ -93,7 +94,7 @@ class _CachedForward:
         batch_size: int,
         context_length: int,
         generator: torch.Generator,
-        narrow_rows: int = 0,
+        narrow_rows: int | LinearPlan = 0,
     ):
         self.model, self.narrow_rows = model, narrow_rows
         self.device = input_device(model)  # works for offloaded models too (their embeddings may sit on `meta`)
@@ -195,8 +196,8 @@ def _time_forwards(
     bar: tqdm,
 ) -> list[tuple[int, list[float]]]:
     """`[(tokens, samples)]`: seconds of forwards of `tokens` new tokens per row, each after `warmup` untimed runs."""
-    narrow = narrow_rows(model, settings.narrow_linear)
-    forward = _CachedForward(model, batch_size, settings.context_length, generator, narrow)
+    plan = linear_plan(model, settings.narrow_linear)
+    forward = _CachedForward(model, batch_size, settings.context_length, generator, plan)
     timed = []
     for tokens in tokens_per_row:
         timed.append((tokens, time_call(partial(forward, tokens, tokens), settings.warmup, settings.repeats)))

@@ -17,6 +17,13 @@ between a one-row and a many-row forward.
 Whether weight-first is faster, and up to how many rows, depends on the CPU, the BLAS and the weight shape:
 [`narrow_rows`] measures it once per process for the model's largest linear layer (`DynSpecConfig.narrow_linear`).
 
+Some BLAS libraries are not even monotonic in the number of rows. On an Intel Xeon with AVX512 and no AMX (oneDNN,
+float32), the default target's MLP weight costs 5.2 ms over 13 to 15 rows and 3.4 ms over 16: a batch of 16 that
+loses a finished row pays 1.6x per step for less work. So `auto` also times `F.linear` over every row count up to
+`PADDED_ROWS` and computes a product over fewer rows at the wider row count measured fastest, zero rows added and cut
+off again ([`LinearPlan`]): each real row's sums are those of a product over more rows, as in plain `generate`, which
+keeps finished rows in its batch.
+
 The output layer has a trap of its own: [`row_major_output`]. A forward that keeps the logits of only its last few
 positions (`logits_to_keep`, as every prefill does) hands the output layer a slice of the hidden states, `[batch,
 keep, hidden]` with the strides of the whole `[batch, width, hidden]` block. `torch.matmul` folds such an input into
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +60,30 @@ MIN_SPEEDUP = 1.05
 """`auto` computes weight-first up to the widest measured row count at which it, and every narrower one, is at
 least this much faster."""
 
-_MEASURED: dict[tuple, int] = {}
-"""`narrow_rows` decisions per (weight shape, dtype, threads): measured once per process."""
+PADDED_ROWS = 32
+"""`auto` times `F.linear` over every row count up to this many, for [`LinearPlan.pad_to`]."""
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How [`NarrowLinear`] computes `F.linear` for one model: weight-first over 2 to `narrow_rows` rows; over `rows`
+    rows with `rows < len(pad_to)`, as a product over `pad_to[rows]` rows (zero rows added, their outputs dropped;
+    `pad_to[rows] == rows`: unchanged)."""
+
+    narrow_rows: int = 0
+    pad_to: tuple[int, ...] = ()
+
+    def padded(self, rows: int) -> int:
+        """The row count a product over `rows` rows is computed at."""
+        return self.pad_to[rows] if 0 <= rows < len(self.pad_to) else rows
+
+    @property
+    def changes_anything(self) -> bool:
+        return self.narrow_rows >= 2 or any(wider != rows for rows, wider in enumerate(self.pad_to))
+
+
+_MEASURED: dict[tuple, LinearPlan] = {}
+"""`linear_plan` decisions per (weight shape, dtype, threads): measured once per process."""
 
 Timer = Callable[[str, int, Callable[[], object]], float]
 """`timer(kind, rows, fn)`: seconds of one call of `fn`, a product over `rows` rows computed as `kind`."""
@@ -83,6 +113,25 @@ FLOAT_DTYPES = (torch.float32, torch.float64)
 whose narrow products were not found slower than weight-first ones)."""
 
 
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed over `rows` rows: `x`'s rows followed by zero rows, whose outputs are
+    dropped.
+
+    Args:
+        x: `[..., in_features]` activations, at most `rows` rows once flattened.
+        weight: `[out_features, in_features]`.
+        bias: `[out_features]` or `None`.
+
+    Returns:
+        `[..., out_features]`.
+    """
+    flat = x.reshape(-1, x.shape[-1])  # [real, in]
+    real = flat.shape[0]
+    wide = torch.cat([flat, flat.new_zeros(rows - real, flat.shape[1])])  # [rows, in]
+    out = F.linear(wide, weight, bias)[:real]  # [real, out]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Plain CPU tensors of one of `FLOAT_DTYPES` only: no tensor subclass (DTensor, quantized parameters), no
     autograd."""
@@ -97,7 +146,8 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 class NarrowLinear(TorchFunctionMode):
-    """Inside this mode, `F.linear` over 2 to `max_rows` rows of float32 (or float64) CPU tensors runs weight-first.
+    """Inside this mode, `F.linear` over 2 to `max_rows` rows of float32 (or float64) CPU tensors runs weight-first;
+    with a [`LinearPlan`] for `max_rows`, products over other row counts are padded as the plan says.
 
     Example:
 
@@ -113,24 +163,30 @@ class NarrowLinear(TorchFunctionMode):
     ```
     """
 
-    def __init__(self, max_rows: int) -> None:
+    def __init__(self, max_rows: int | LinearPlan) -> None:
         super().__init__()
-        self.max_rows = max_rows
+        self.plan = max_rows if isinstance(max_rows, LinearPlan) else LinearPlan(max_rows)
+        self.max_rows = self.plan.narrow_rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and self.max_rows >= 2:
+        if func is F.linear and self.plan.changes_anything:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
             if 2 <= rows <= self.max_rows and _eligible(x, weight, bias):
                 return weight_first_linear(x, weight, bias)
+            padded = self.plan.padded(rows)
+            if padded > rows and _eligible(x, weight, bias):
+                return padded_linear(x, weight, bias, padded)
         return func(*args, **kwargs)
 
 
-def narrow_linear(max_rows: int) -> contextlib.AbstractContextManager:
-    """[`NarrowLinear`]`(max_rows)`, or a context that changes nothing (and costs nothing) when `max_rows < 2`."""
-    return NarrowLinear(max_rows) if max_rows >= 2 else contextlib.nullcontext()
+def narrow_linear(max_rows: int | LinearPlan) -> contextlib.AbstractContextManager:
+    """[`NarrowLinear`]`(max_rows)`, or a context that changes nothing (and costs nothing) when it would change
+    nothing (`max_rows < 2`, or a plan that neither computes weight-first nor pads)."""
+    plan = max_rows if isinstance(max_rows, LinearPlan) else LinearPlan(max_rows)
+    return NarrowLinear(plan) if plan.changes_anything else contextlib.nullcontext()
 
 
 def row_major(x: torch.Tensor) -> torch.Tensor:
@@ -199,12 +255,20 @@ def largest_linear_shape(model: torch.nn.Module) -> tuple[int, int] | None:
 
 
 def narrow_rows(model: torch.nn.Module, setting: str, timer: Timer | None = None) -> int:
-    """The most rows [`NarrowLinear`] computes weight-first for `model` under `DynSpecConfig.narrow_linear`.
+    """The most rows [`NarrowLinear`] computes weight-first for `model` under `DynSpecConfig.narrow_linear`
+    (`linear_plan(...).narrow_rows`)."""
+    return linear_plan(model, setting, timer).narrow_rows
 
-    `"off"`: 0. `"on"`: `MAX_NARROW_ROWS` for float32 and float64 models, 0 otherwise. `"auto"`: for such a model
-    whose weights compute on the CPU, the widest of `MEASURED_ROWS` up to which weight-first beats `F.linear` by
-    `MIN_SPEEDUP` at every measured width (timed once per process, weight shape and dtype, on a random matrix of the
-    model's largest linear shape); 0 for other models.
+
+def linear_plan(model: torch.nn.Module, setting: str, timer: Timer | None = None) -> LinearPlan:
+    """How [`NarrowLinear`] computes `F.linear` for `model` under `DynSpecConfig.narrow_linear`.
+
+    `"off"`: nothing changed. `"on"`: weight-first up to `MAX_NARROW_ROWS` rows for float32 and float64 models,
+    nothing for others. `"auto"`: for such a model whose weights compute on the CPU, weight-first up to the widest of
+    `MEASURED_ROWS` up to which it beats `F.linear` by `MIN_SPEEDUP` at every measured width; above that and up to
+    `PADDED_ROWS` rows, each row count padded to the wider one whose `F.linear` was measured fastest, where that is
+    `MIN_SPEEDUP` faster (timed once per process, weight shape and dtype, on a random matrix of the model's largest
+    linear shape); nothing for other models.
 
     Args:
         model: the target or the draft.
@@ -216,12 +280,12 @@ def narrow_rows(model: torch.nn.Module, setting: str, timer: Timer | None = None
         raise ValueError(f"`narrow_linear` must be one of {list(NARROW_LINEAR)}, got {setting!r}.")
     dtype = _model_dtype(model)
     if setting == "off" or dtype not in FLOAT_DTYPES:
-        return 0
+        return LinearPlan()
     if setting == "on":
-        return MAX_NARROW_ROWS
+        return LinearPlan(MAX_NARROW_ROWS)
     shape = largest_linear_shape(model)
     if shape is None or not _computes_on_cpu(model):
-        return 0
+        return LinearPlan()
     key = (shape, dtype, torch.get_num_threads())
     if key not in _MEASURED or timer is not None:
         _MEASURED[key] = _measure(shape, dtype, timer or _median_seconds)
@@ -240,8 +304,9 @@ def _computes_on_cpu(model: torch.nn.Module) -> bool:
     return bool(devices) and all(device.type == "cpu" for device in devices)
 
 
-def _measure(shape: tuple[int, int], dtype: torch.dtype, timer: Timer) -> int:
-    """The widest of `MEASURED_ROWS` up to which weight-first is `MIN_SPEEDUP` faster at every width, or 0."""
+def _measure(shape: tuple[int, int], dtype: torch.dtype, timer: Timer) -> LinearPlan:
+    """Weight-first up to the widest of `MEASURED_ROWS` at which it, and every narrower one, is `MIN_SPEEDUP`
+    faster; above that, `F.linear` timed over every row count up to `PADDED_ROWS` (`_padding`)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator, dtype=dtype)  # [out, in]
     widest = 0
@@ -253,7 +318,24 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, timer: Timer) -> int:
             if first * MIN_SPEEDUP > stock:
                 break
             widest = rows
-    return widest
+        x = torch.randn(PADDED_ROWS, shape[1], generator=generator, dtype=dtype)  # [PADDED_ROWS, in]
+        first = max(2, widest + 1)
+        stock = {rows: timer("linear", rows, lambda rows=rows: F.linear(x[:rows], weight))
+                 for rows in range(first, PADDED_ROWS + 1)}
+    return LinearPlan(widest, _padding(stock))
+
+
+def _padding(seconds: dict[int, float]) -> tuple[int, ...]:
+    """`LinearPlan.pad_to` from `F.linear`'s `seconds` by row count: each row count goes to the fastest of itself
+    and the wider ones measured, where that is `MIN_SPEEDUP` faster than itself; row counts not measured stay."""
+    if not seconds:
+        return ()
+    pad_to = list(range(max(seconds) + 1))
+    for rows in seconds:
+        fastest = min((r for r in seconds if r >= rows), key=lambda r: (seconds[r], r))
+        if seconds[fastest] * MIN_SPEEDUP < seconds[rows]:
+            pad_to[rows] = fastest
+    return tuple(pad_to)
 
 
 def _median_seconds(kind: str, rows: int, fn: Callable[[], object]) -> float:

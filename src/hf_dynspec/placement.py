@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from .cache import RaggedCache, SlidingWindows, cache_kwarg, sliding_windows
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask, causal_visibility, windowed_attention_masks
-from .kernels import narrow_linear, narrow_rows, row_major_output
+from .kernels import LinearPlan, linear_plan, narrow_linear, row_major_output
 
 
 @functools.cache
@@ -109,9 +109,9 @@ class Placement:
     draft_device: torch.device | None
     cuda_devices: tuple[torch.device, ...] = ()
     """Devices `clock` waits for: all CUDA devices of both models (a device map may span several)."""
-    narrow_rows: dict[int, int] = field(default_factory=dict)
-    """Per model (by `id`): the most rows its forwards compute weight-first (`kernels.NarrowLinear`); absent or 0:
-    none."""
+    linear_plans: dict[int, LinearPlan] = field(default_factory=dict)
+    """Per model (by `id`): how its forwards compute linear layers (`kernels.NarrowLinear`: weight-first over a few
+    rows, padded row counts); absent: unchanged."""
     windows: dict[int, SlidingWindows | None] = field(default_factory=dict)
     """Per model (by `id`): its sliding-window attention (`cache.sliding_windows`); absent or `None`: full attention."""
 
@@ -126,11 +126,16 @@ class Placement:
         """Where `target` and `draft` live; `narrow_linear` is `DynSpecConfig.narrow_linear` (see `narrow_rows`)."""
         devices = model_devices(target) | (model_devices(draft) if draft is not None else set()) | {loop_device}
         cuda = tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
-        narrow = {id(m): narrow_rows(m, narrow_linear) for m in (target, draft) if m is not None}
+        plans = {id(m): linear_plan(m, narrow_linear) for m in (target, draft) if m is not None}
         roles = {"target model": target, "draft model": draft}
         windows = {id(m): sliding_windows(m, role) for role, m in roles.items() if m is not None}
         draft_device = input_device(draft) if draft is not None else None
-        return cls(loop_device, input_device(target), draft_device, cuda, narrow, windows)
+        return cls(loop_device, input_device(target), draft_device, cuda, plans, windows)
+
+    @property
+    def narrow_rows(self) -> dict[int, int]:
+        """Per model (by `id`): the most rows its forwards compute weight-first; absent or 0: none."""
+        return {key: plan.narrow_rows for key, plan in self.linear_plans.items()}
 
     def forward(
         self,
@@ -167,7 +172,7 @@ class Placement:
             position_ids=positions.to(device, non_blocking=True),
             use_cache=True,
         )
-        with narrow_linear(self.narrow_rows.get(id(model), 0)), row_major_output(model):
+        with narrow_linear(self.linear_plans.get(id(model), LinearPlan())), row_major_output(model):
             if head is not None:
                 inputs[_cache_kwarg(type(head.decoder))] = cache.cache
                 hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
