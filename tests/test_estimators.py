@@ -12,6 +12,7 @@ from hf_dynspec.estimators import (
     AcceptanceEstimator,
     DraftTiming,
     OnlineCostModel,
+    PaddedCostModel,
     PiecewiseLinear,
     Profile,
     ProfileCostModel,
@@ -426,6 +427,21 @@ def test_online_cost_model_prices_a_draft_that_runs_rows_apart_by_its_rows_draft
     candidates = torch.tensor([[2, 2, 2, 2], [2, 0, 0, 0]])
     assert model.candidate_seconds(4, candidates).tolist() == pytest.approx([verify + 0.8, verify + 0.2])
     assert model.evidence.rows_apart and model.optimistic().rows_apart
+
+
+def test_a_draft_forward_past_the_last_draft_knot_grows_with_rows_as_the_target_does() -> None:
+    """Drafts timed only at batch 1 (a run of one-row calls) must not price a forward over 16 rows at one row's cost:
+    past its last knot the draft curve is scaled by the verify curve (on an Intel Xeon in float32 a 16-row draft
+    forward cost 0.22 s against 0.06 s for one row, and the flat curve made a batch of 16 draft at a loss)."""
+    verify = PiecewiseLinear.fit({1: (0.2, 1), 16: (0.5, 1), 64: (1.4, 1)})
+    model = PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.06, 1)}))
+    assert model.draft_forward(1) == pytest.approx(0.06)
+    assert model.draft_forward(16) == pytest.approx(0.06 * 0.5 / 0.2)
+    assert model.step_seconds(16, torch.full((16,), 2)) == pytest.approx(float(verify(np.array([48.0]))[0]) + 0.3)
+    measured = PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.06, 1), 16: (0.22, 1)}))
+    assert measured.draft_forward(16) == pytest.approx(0.22)  # a measured knot is taken as it is
+    assert measured.draft_forward(8) == pytest.approx(0.06 + 7 * 0.16 / 15)
+    assert PaddedCostModel(verify, None).draft_forward(16) == 0.0
 
 
 def _observe_one_row(model: OnlineCostModel, longest: int, verify_seconds: float, draft_seconds: float = 0.0) -> None:

@@ -730,7 +730,8 @@ def test_new_rows_start_from_the_pooled_estimate() -> None:
 
 
 def test_padded_cost_model_prices_the_longest_draft() -> None:
-    model = PaddedCostModel(PiecewiseLinear.fit({1: (1.0, 1), 10: (2.0, 1)}), PiecewiseLinear.fit({1: (0.5, 1)}))
+    # draft forwards timed at 1 and 2 rows (past its last knot the draft curve would follow the verify curve)
+    model = PaddedCostModel(PiecewiseLinear.fit({1: (1.0, 1), 10: (2.0, 1)}), PiecewiseLinear.fit({1: (0.5, 1), 2: (0.5, 1)}))
     assert model.step_seconds(1, torch.tensor([0])) == pytest.approx(1.0)
     assert model.step_seconds(2, torch.tensor([0, 4])) == pytest.approx(1.0 + 9 / 9 + 4 * 0.5)
     candidates = torch.tensor([[0, 0], [0, 4], [4, 4]])

@@ -132,8 +132,9 @@ class DynSpecConfig:
         default="auto",
         metadata={"help": "Linear layers of forwards over a few rows (verify forwards, draft lookahead, trees): 'auto' "
                   "computes them weight-first (`(W @ x.T).T`) where that is measured faster, once per process and "
-                  "weight shape (float32 on a CPU; see `hf_dynspec.kernels`), 'on' always for float32 weights, 'off' "
-                  "never. One-row forwards are never changed."},
+                  "weight shape (float32 on a CPU; see `hf_dynspec.kernels`), and computes a product over a row count "
+                  "at a wider one measured faster; 'on' always computes weight-first for float32 weights, 'off' "
+                  "changes nothing. One-row forwards are never changed."},
     )
     compact_min_holes: int = field(
         default=32,

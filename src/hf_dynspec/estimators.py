@@ -272,6 +272,20 @@ class PaddedCostModel(StepCostModel):
         """Price the draft as running each row apart (or the whole batch at once); see `rows_apart`."""
         self.rows_apart = rows_apart
 
+    def draft_forward(self, rows: int) -> float:
+        """Seconds of one draft forward over `rows` rows (0 without a draft curve): the draft curve, and past its last
+        knot at least that knot scaled by the verify curve from its rows to `rows`. A forward's cost grows with its
+        rows as the target's does, while the draft curve stays flat past a single knot: drafts timed at one row
+        would price a forward over 16 rows at one row's cost."""
+        if self.draft is None:
+            return 0.0
+        value = float(self.draft(np.array([float(rows)]))[0])
+        last = float(self.draft.xs[-1])
+        if rows > last and self.verify is not None:
+            one, wide = self.verify(np.array([last, float(rows)]))
+            value = max(value, float(self.draft.ys[-1]) * float(wide) / max(float(one), 1e-12))
+        return value
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if self.verify is not None and tokens > 0 and seconds > 0:
             self.verify = replace(self.verify, far=(float(tokens), float(seconds)))
@@ -285,7 +299,7 @@ class PaddedCostModel(StepCostModel):
         verify = self.verify(batch_size * (1.0 + k)) if self.verify is not None else np.ones_like(k)
         if self.draft is None:
             return verify
-        per_forward = float(self.draft(np.array([self.draft_rows(batch_size)]))[0])
+        per_forward = self.draft_forward(self.draft_rows(batch_size))
         if not self.rows_apart:
             return verify + k * per_forward
         return verify + (batch_size * k if totals is None else np.asarray(totals, dtype=np.float64)) * per_forward

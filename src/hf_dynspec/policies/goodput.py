@@ -461,8 +461,7 @@ class GoodputPolicy(DraftLengthPolicy):
             acceptance = torch.maximum(acceptance, self._lookup_estimate(rows, z))
         plain = self._plain_seconds(request.batch_size)
         model = self.cost_model if isinstance(self.cost_model, PaddedCostModel) else None
-        draft = model.draft if model is not None else None
-        per_forward = float(draft(np.array([model.draft_rows(request.batch_size)]))[0]) if draft is not None else 0.0
+        per_forward = model.draft_forward(model.draft_rows(request.batch_size)) if model is not None else 0.0
         if request.free_lengths is not None:
             per_forward = 0.0
         gains = expected_tokens(acceptance, caps) / (plain + caps.double() * per_forward)  # [batch] per-row rates
@@ -623,7 +622,7 @@ class GoodputPolicy(DraftLengthPolicy):
         rows = model.draft_rows(batch)
         forwards = batch // rows
         one, wide = model.verify(np.array([float(rows), float(tokens) / forwards]))
-        return forwards * float(model.draft(np.array([rows]))[0]) * float(wide) / max(float(one), 1e-12)
+        return forwards * model.draft_forward(rows) * float(wide) / max(float(one), 1e-12)
 
     def _price(
         self,
@@ -652,7 +651,7 @@ class GoodputPolicy(DraftLengthPolicy):
         seconds = float(model.verify(np.array([tokens]))[0]) if model.verify is not None else 1.0
         rows = model.draft_rows(batch)
         if model.draft is not None:
-            per_forward = float(model.draft(np.array([rows]))[0])
+            per_forward = model.draft_forward(rows)
         else:
             per_forward = (self.draft_ratio or 0.0) * self._plain_seconds(rows)
         return seconds + forwards * per_forward + (catchup if forwards else 0.0)
