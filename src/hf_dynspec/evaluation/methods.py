@@ -121,7 +121,7 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
 
 def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
     """`method` run with the loop's kernels: inside `kernels.NarrowLinear` (`+narrow`), with its output layers fed
-    row-major inputs (`+rowmajor`, `kernels.row_major_output`)."""
+    row-major inputs (`+rowmajor`, `kernels.row_major_output`); or drafting through text (`+text`, `dynspec-*`)."""
     unknown = [m for m in modifiers if m not in MODIFIERS]
     if unknown:
         raise MethodError(f"In method {name!r} the modifiers after '+' may only be {list(MODIFIERS)}; got {unknown}.")
