@@ -167,10 +167,11 @@ class NarrowLinear(TorchFunctionMode):
         super().__init__()
         self.plan = max_rows if isinstance(max_rows, LinearPlan) else LinearPlan(max_rows)
         self.max_rows = self.plan.narrow_rows
+        self._active = self.plan.changes_anything  # once, not on every linear call of every forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and self.plan.changes_anything:
+        if func is F.linear and self._active:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
