@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import left_padded_prompts, perturbed, tiny_model
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_dynspec
@@ -118,8 +119,9 @@ def test_auto_measures_the_largest_linear_but_the_head():
 
     plan = kernels.linear_plan(model, "auto", timer=timer)
     assert seen[:2] == [2, 2]  # equal times: weight-first not faster, so its measuring stops at the first width
-    assert seen[2:] == list(range(2, kernels.PADDED_ROWS + 1))  # F.linear at every row count, for padding
-    assert plan == kernels.LinearPlan(0, tuple(range(kernels.PADDED_ROWS + 1)))  # equal times: nothing padded
+    counts = list(range(2, kernels.PADDED_ROWS + 1))
+    assert seen[2:] == counts + counts  # F.linear, then weight-first, at every row count
+    assert plan == kernels.LinearPlan(0, tuple(range(kernels.PADDED_ROWS + 1)))  # equal times: nothing changed
 
 
 def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
@@ -150,6 +152,71 @@ def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
     assert seen == [14]  # the padding rows are dropped again
     assert kernels.padded_linear(x, layer.weight, layer.bias, 16).shape == (2, 7, 64)
     assert isinstance(kernels.narrow_linear(kernels.LinearPlan()), contextlib.nullcontext)
+
+
+def test_auto_computes_weight_first_at_the_row_counts_it_wins(monkeypatch):
+    """As oneDNN in float32 on an Intel Xeon without AMX, weights cold: `F.linear` passes over the weight once per
+    3 rows up to 15 rows (1.9 ms per pass) and is a GEMM from 16 rows (4.2 ms); weight-first costs 3.4 ms at every
+    width. So 2 and 3 rows stay, 4 and wider go weight-first (16 too: 3.4 against 4.2), and nothing is padded."""
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    stock = {rows: 1.9 * -(-rows // 3) for rows in range(1, 16)} | {rows: 4.2 + 0.05 * (rows - 16)
+                                                                     for rows in range(16, kernels.PADDED_ROWS + 1)}
+
+    def timer(kind, rows, fn):
+        return stock[rows] if kind == "linear" else 3.4
+
+    plan = kernels.linear_plan(model, "auto", timer=timer)
+    assert plan.narrow_rows == 0  # weight-first loses at 2 rows, so no prefix of row counts
+    assert [rows for rows in range(1, kernels.PADDED_ROWS + 3) if plan.computes_weight_first(rows)] == list(
+        range(4, kernels.PADDED_ROWS + 1))
+    assert all(plan.padded(rows) == rows for rows in range(kernels.PADDED_ROWS + 3))
+    spy = _Spy(monkeypatch)
+    layer = torch.nn.Linear(32, 64)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 9, 16, 33):
+            x = torch.randn(rows, 32)
+            with NarrowLinear(plan):
+                out = layer(x)
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert spy.rows == [4, 9, 16]
+
+
+class _WeightsSeen(TorchFunctionMode):
+    """Records the storage of the weight of every `F.linear` and `torch.mm` (weight-first) call."""
+
+    def __init__(self):
+        super().__init__()
+        self.pointers: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.pointers.append(args[1].data_ptr())
+        elif func is torch.mm:
+            self.pointers.append(args[0].data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def test_auto_times_each_call_on_a_cold_copy_of_the_weight(monkeypatch):
+    """Each timed call multiplies by the next of copies as large together as the model (up to `COLD_BYTES`), so a
+    model larger than the cache is timed with its weights read from memory, as its forwards read them."""
+    model = tiny_model("llama", seed=0, dtype=torch.float32)  # largest linear 64 x 32 floats: 8 KiB
+    model_bytes = sum(p.numel() for p in model.parameters()) * 4
+    assert kernels.cold_copies(model, (64, 32), torch.float32) == model_bytes // (64 * 32 * 4) > 3
+    monkeypatch.setattr(kernels, "COLD_BYTES", 3 * 64 * 32 * 4)
+    assert kernels.cold_copies(model, (64, 32), torch.float32) == 3
+    assert kernels.cold_copies(model, (64, 32), torch.float64) == 1  # at least one copy
+    seen: dict[tuple[str, int], list[int]] = {}
+
+    def timer(kind, rows, fn):
+        with _WeightsSeen() as spy:
+            for _ in range(4):
+                fn()
+        seen[kind, rows] = spy.pointers
+        return 1.0
+
+    kernels.linear_plan(model, "auto", timer=timer)
+    for pointers in seen.values():
+        assert len(set(pointers[:3])) == 3 and pointers[3] == pointers[0]  # a rotation of 3 copies
 
 
 def test_placement_computes_verify_forwards_weight_first(monkeypatch):

@@ -22,7 +22,13 @@ float32), the default target's MLP weight costs 5.2 ms over 13 to 15 rows and 3.
 loses a finished row pays 1.6x per step for less work. So `auto` also times `F.linear` over every row count up to
 `PADDED_ROWS` and computes a product over fewer rows at the wider row count measured fastest, zero rows added and cut
 off again ([`LinearPlan`]): each real row's sums are those of a product over more rows, as in plain `generate`, which
-keeps finished rows in its batch.
+keeps finished rows in its batch. At each of those row counts it also times the product weight-first, and takes
+whichever of the three is fastest: on that Xeon, weight-first wins over 4 to 16 rows but loses over 2.
+
+A forward reads each weight once, and a model larger than the CPU's last-level cache meets every weight cold. So
+`auto` times each product on a rotation of copies of the weight that together outgrow the cache (as large as the model,
+at most `COLD_BYTES`): on that Xeon a product over 8 rows costs 3.1 ms with the weight in cache and 5.2 ms without, and
+weight-first 2.2 ms and 3.4 ms; a plan timed in cache pads 10 to 15 rows to 16 and leaves 4 to 9 alone.
 
 The output layer has a trap of its own: [`row_major_output`]. A forward that keeps the logits of only its last few
 positions (`logits_to_keep`, as every prefill does) hands the output layer a slice of the hidden states, `[batch,
@@ -39,6 +45,7 @@ instead of 0.44 s, with identical logits.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,17 +68,23 @@ MIN_SPEEDUP = 1.05
 least this much faster."""
 
 PADDED_ROWS = 32
-"""`auto` times `F.linear` over every row count up to this many, for [`LinearPlan.pad_to`]."""
+"""`auto` times `F.linear`, and the weight-first product, over every row count up to this many, for
+[`LinearPlan.pad_to`] and [`LinearPlan.weight_first`]."""
+
+COLD_BYTES = 1 << 30
+"""`auto` times products on copies of a weight that together take as many bytes as the model, up to this many (at
+least one copy): each call then reads its weight from memory, as a forward of a model larger than the cache does."""
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """How [`NarrowLinear`] computes `F.linear` for one model: weight-first over 2 to `narrow_rows` rows; over `rows`
-    rows with `rows < len(pad_to)`, as a product over `pad_to[rows]` rows (zero rows added, their outputs dropped;
-    `pad_to[rows] == rows`: unchanged)."""
+    """How [`NarrowLinear`] computes `F.linear` for one model: weight-first over 2 to `narrow_rows` rows and over any
+    row count in `weight_first`; otherwise over `rows` rows with `rows < len(pad_to)`, as a product over `pad_to[rows]`
+    rows (zero rows added, their outputs dropped; `pad_to[rows] == rows`: unchanged)."""
 
     narrow_rows: int = 0
     pad_to: tuple[int, ...] = ()
+    weight_first: frozenset[int] = frozenset()
 
     def padded(self, rows: int) -> int:
         """The row count a product over `rows` rows is computed at."""
@@ -79,7 +92,12 @@ class LinearPlan:
 
     @property
     def changes_anything(self) -> bool:
-        return self.narrow_rows >= 2 or any(wider != rows for rows, wider in enumerate(self.pad_to))
+        return (self.narrow_rows >= 2 or bool(self.weight_first)
+                or any(wider != rows for rows, wider in enumerate(self.pad_to)))
+
+    def computes_weight_first(self, rows: int) -> bool:
+        """Whether a product over `rows` rows is computed weight-first."""
+        return 2 <= rows <= self.narrow_rows or rows in self.weight_first
 
 
 _MEASURED: dict[tuple, LinearPlan] = {}
@@ -175,7 +193,7 @@ class NarrowLinear(TorchFunctionMode):
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
-            if 2 <= rows <= self.max_rows and _eligible(x, weight, bias):
+            if self.plan.computes_weight_first(rows) and _eligible(x, weight, bias):
                 return weight_first_linear(x, weight, bias)
             padded = self.plan.padded(rows)
             if padded > rows and _eligible(x, weight, bias):
@@ -267,9 +285,11 @@ def linear_plan(model: torch.nn.Module, setting: str, timer: Timer | None = None
     `"off"`: nothing changed. `"on"`: weight-first up to `MAX_NARROW_ROWS` rows for float32 and float64 models,
     nothing for others. `"auto"`: for such a model whose weights compute on the CPU, weight-first up to the widest of
     `MEASURED_ROWS` up to which it beats `F.linear` by `MIN_SPEEDUP` at every measured width; above that and up to
-    `PADDED_ROWS` rows, each row count padded to the wider one whose `F.linear` was measured fastest, where that is
-    `MIN_SPEEDUP` faster (timed once per process, weight shape and dtype, on a random matrix of the model's largest
-    linear shape); nothing for other models.
+    `PADDED_ROWS` rows, each row count computed the fastest way measured (`F.linear` over itself or over a wider row
+    count, or weight-first), where that is `MIN_SPEEDUP` faster than `F.linear` over itself. Timed once per process,
+    weight shape, dtype and cold copies, on random matrices of the model's largest linear shape, each call on the next
+    of copies that together take as many bytes as the model, up to `COLD_BYTES` (its weights cold, as in a forward);
+    nothing for other models.
 
     Args:
         model: the target or the draft.
@@ -287,10 +307,19 @@ def linear_plan(model: torch.nn.Module, setting: str, timer: Timer | None = None
     shape = largest_linear_shape(model)
     if shape is None or not _computes_on_cpu(model):
         return LinearPlan()
-    key = (shape, dtype, torch.get_num_threads())
+    copies = cold_copies(model, shape, dtype)
+    key = (shape, dtype, copies, torch.get_num_threads())
     if key not in _MEASURED or timer is not None:
-        _MEASURED[key] = _measure(shape, dtype, timer or _median_seconds)
+        _MEASURED[key] = _measure(shape, dtype, copies, timer or _median_seconds)
     return _MEASURED[key]
+
+
+def cold_copies(model: torch.nn.Module, shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """How many copies of a `shape` weight `auto` rotates through: as many bytes as the model's parameters (on
+    `meta` too, for offloaded ones), up to `COLD_BYTES`, and at least 1."""
+    size = torch.empty((), dtype=dtype).element_size()
+    model_bytes = sum(p.numel() for p in model.parameters()) * size
+    return max(1, min(model_bytes, COLD_BYTES) // (shape[0] * shape[1] * size))
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
@@ -305,38 +334,49 @@ def _computes_on_cpu(model: torch.nn.Module) -> bool:
     return bool(devices) and all(device.type == "cpu" for device in devices)
 
 
-def _measure(shape: tuple[int, int], dtype: torch.dtype, timer: Timer) -> LinearPlan:
+def _measure(shape: tuple[int, int], dtype: torch.dtype, copies: int, timer: Timer) -> LinearPlan:
     """Weight-first up to the widest of `MEASURED_ROWS` at which it, and every narrower one, is `MIN_SPEEDUP`
-    faster; above that, `F.linear` timed over every row count up to `PADDED_ROWS` (`_padding`)."""
+    faster; above that, both products timed over every row count up to `PADDED_ROWS` (`_fastest_ways`). Each call
+    multiplies by the next of `copies` weights."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator, dtype=dtype)  # [out, in]
+    weights = itertools.cycle([weight] + [weight.clone() for _ in range(copies - 1)])
     widest = 0
     with torch.inference_mode():
         for rows in MEASURED_ROWS:
             x = torch.randn(rows, shape[1], generator=generator, dtype=dtype)  # [rows, in]
-            stock = timer("linear", rows, lambda x=x: F.linear(x, weight))
-            first = timer("weight_first", rows, lambda x=x: weight_first_linear(x, weight))
+            stock = timer("linear", rows, lambda x=x: F.linear(x, next(weights)))
+            first = timer("weight_first", rows, lambda x=x: weight_first_linear(x, next(weights)))
             if first * MIN_SPEEDUP > stock:
                 break
             widest = rows
         x = torch.randn(PADDED_ROWS, shape[1], generator=generator, dtype=dtype)  # [PADDED_ROWS, in]
-        first = max(2, widest + 1)
-        stock = {rows: timer("linear", rows, lambda rows=rows: F.linear(x[:rows], weight))
-                 for rows in range(first, PADDED_ROWS + 1)}
-    return LinearPlan(widest, _padding(stock))
+        counts = range(max(2, widest + 1), PADDED_ROWS + 1)
+        stock = {rows: timer("linear", rows, lambda rows=rows: F.linear(x[:rows], next(weights))) for rows in counts}
+        first = {rows: timer("weight_first", rows, lambda rows=rows: weight_first_linear(x[:rows], next(weights)))
+                 for rows in counts}
+    pad_to, weight_first = _fastest_ways(stock, first)
+    return LinearPlan(widest, pad_to, weight_first)
 
 
-def _padding(seconds: dict[int, float]) -> tuple[int, ...]:
-    """`LinearPlan.pad_to` from `F.linear`'s `seconds` by row count: each row count goes to the fastest of itself
-    and the wider ones measured, where that is `MIN_SPEEDUP` faster than itself; row counts not measured stay."""
-    if not seconds:
-        return ()
-    pad_to = list(range(max(seconds) + 1))
-    for rows in seconds:
-        fastest = min((r for r in seconds if r >= rows), key=lambda r: (seconds[r], r))
-        if seconds[fastest] * MIN_SPEEDUP < seconds[rows]:
-            pad_to[rows] = fastest
-    return tuple(pad_to)
+def _fastest_ways(stock: dict[int, float], first: dict[int, float]) -> tuple[tuple[int, ...], frozenset[int]]:
+    """`LinearPlan.pad_to` and `LinearPlan.weight_first` from the seconds of `F.linear` (`stock`) and of the
+    weight-first product (`first`) by row count: each row count computed the fastest of `F.linear` over itself or a
+    wider row count measured and weight-first over itself, where that is `MIN_SPEEDUP` faster than `F.linear` over
+    itself; row counts not measured stay."""
+    if not stock:
+        return (), frozenset()
+    pad_to, weight_first = list(range(max(stock) + 1)), set()
+    for rows in stock:
+        wider = min((r for r in stock if r >= rows), key=lambda r: (stock[r], r))
+        fastest = min(stock[wider], first.get(rows, float("inf")))
+        if fastest * MIN_SPEEDUP >= stock[rows]:
+            continue
+        if first.get(rows, float("inf")) < stock[wider]:
+            weight_first.add(rows)
+        else:
+            pad_to[rows] = wider
+    return tuple(pad_to), frozenset(weight_first)
 
 
 def _median_seconds(kind: str, rows: int, fn: Callable[[], object]) -> float:
