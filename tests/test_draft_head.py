@@ -149,15 +149,15 @@ def test_draft_vocab_size_must_be_positive():
 def test_the_bench_counts_every_forward_of_a_narrowed_draft(llama):
     from hf_dynspec.calibration import affordable_lookahead
     from hf_dynspec.evaluation.runner import ForwardCounter
-    from hf_dynspec.kernels import narrow_rows
+    from hf_dynspec.kernels import linear_plan
 
     draft = perturbed(llama, scale=0.05, seed=11)
     ids, mask = left_padded_prompts([8, 12], seed=3)
     counter = ForwardCounter(draft)
     config = DynSpecConfig(policy="static", num_speculative_tokens=3, draft_vocab_size=24)
     assert unsupported_reason(draft) is None  # the check runs forwards of its own, once per model
-    narrow = narrow_rows(draft, config.narrow_linear)  # so does timing the lookahead's forwards
-    affordable_lookahead(draft, config.draft_lookahead, config.draft_lookahead_max_cost, narrow)
+    plan = linear_plan(draft, config.narrow_linear)  # so does timing the lookahead's forwards
+    affordable_lookahead(draft, config.draft_lookahead, config.draft_lookahead_max_cost, plan)
     counter.take()
     out = llama.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, assistant_model=draft,

@@ -138,7 +138,7 @@ def test_narrow_modifier_runs_plain_and_hf_methods_weight_first(pair, monkeypatc
         methods.parse_method("dynspec-goodput+narrow")
     with pytest.raises(MethodError, match="may only be"):
         methods.parse_method("plain+wide")
-    monkeypatch.setattr(runner, "narrow_rows", lambda model, setting: 64)  # as measured on a CPU where it is faster
+    monkeypatch.setattr(runner, "linear_plan", lambda model, setting: kernels.LinearPlan(64))  # as measured faster
     routed: list[int] = []
     original = kernels.weight_first_linear
     monkeypatch.setattr(kernels, "weight_first_linear", lambda x, w, b=None: routed.append(1) or original(x, w, b))
@@ -151,6 +151,8 @@ def test_narrow_modifier_runs_plain_and_hf_methods_weight_first(pair, monkeypatc
     assert runs["plain+narrow"]["matches_plain"] and runs["plain+narrow"]["mismatched_prompts"] == 0
     assert runs["plain"]["matches_plain"] is None
     assert set(results["config"]["narrow_rows"]) == {"target", "draft"}
+    plans = results["config"]["linear_plans"]
+    assert set(plans) == {"target", "draft"} and set(plans["target"]) == {"narrow_rows", "weight_first", "pad_to"}
 
 
 def test_bad_policy_option_and_unknown_policy():

@@ -139,6 +139,7 @@ def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
     assert plan.narrow_rows == 0
     assert [plan.padded(rows) for rows in range(1, 18)] == list(range(1, 12)) + [16] * 5 + [17]
     assert plan.padded(kernels.PADDED_ROWS + 10) == kernels.PADDED_ROWS + 10
+    assert plan.to_dict() == {"narrow_rows": 0, "weight_first": [], "pad_to": {12: 16, 13: 16, 14: 16, 15: 16}}
     layer = torch.nn.Linear(32, 64)
     x = torch.randn(2, 7, 32)  # 14 rows: computed over 16
     with torch.inference_mode():
@@ -170,6 +171,7 @@ def test_auto_computes_weight_first_at_the_row_counts_it_wins(monkeypatch):
     assert [rows for rows in range(1, kernels.PADDED_ROWS + 3) if plan.computes_weight_first(rows)] == list(
         range(4, kernels.PADDED_ROWS + 1))
     assert all(plan.padded(rows) == rows for rows in range(kernels.PADDED_ROWS + 3))
+    assert plan.to_dict() == {"narrow_rows": 0, "weight_first": list(range(4, kernels.PADDED_ROWS + 1)), "pad_to": {}}
     spy = _Spy(monkeypatch)
     layer = torch.nn.Linear(32, 64)
     with torch.inference_mode():

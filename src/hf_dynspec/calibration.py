@@ -134,32 +134,33 @@ LOOKAHEAD_CONTEXT = 32
 """Cached tokens under the forwards `affordable_lookahead` times (attention over them is cheap at any width)."""
 
 _AFFORDABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""`affordable_lookahead` results per model: `{(most, max_cost, narrow_rows, threads): guess tokens}`."""
+"""`affordable_lookahead` results per model: `{(most, max_cost, linear plan, threads): guess tokens}`."""
 
 WidthTimer = Callable[[int], float]
 """`timer(width)`: seconds of one forward over `width` new tokens at batch size 1."""
 
 
 def affordable_lookahead(
-    model: PreTrainedModel, most: int, max_cost: float, narrow: int = 0, timer: WidthTimer | None = None
+    model: PreTrainedModel, most: int, max_cost: float, narrow: int | LinearPlan = 0, timer: WidthTimer | None = None
 ) -> int:
     """The most guess tokens (at most `most`) a lookahead forward of `model` may carry and cost at most `max_cost`
     times a forward over one token (`DynSpecConfig.draft_lookahead_max_cost`).
 
     Times forwards over 1 token and over `1 + g` tokens for `g + 1` in `LOOKAHEAD_WIDTHS` up to `1 + most` (and `1 +
-    most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers over up to `narrow` rows
-    computed weight-first as the loop computes them. After one untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds
+    most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers computed as the loop
+    computes them (`narrow`: the model's `kernels.LinearPlan`, or weight-first up to that many rows). After one untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds
     each time every width once, and a width is worth its fastest sample: other processes only ever slow a forward
     down, and a burst of load shorter than the rounds leaves every width a clean sample, where timing one width's
     samples back to back could price that width alone at the burst's speed. Returns the widest `g` within the cost at
     that width and every narrower one, 0 when two tokens already cost more. Measured once per process, model and
     setting; `timer` (seconds of one forward over `width` tokens) measures anew (for tests).
     """
-    key = (most, max_cost, narrow, torch.get_num_threads())
+    plan = narrow if isinstance(narrow, LinearPlan) else LinearPlan(narrow)  # an int and its plan: one key
+    key = (most, max_cost, plan, torch.get_num_threads())
     cached = _AFFORDABLE.setdefault(model, {})
     if key not in cached or timer is not None:
         widths = sorted({w for w in LOOKAHEAD_WIDTHS if w <= 1 + most} | {1 + most}) if most > 0 else []
-        cached[key] = _widest_within(widths, max_cost, timer or _width_timer(model, narrow, widths))
+        cached[key] = _widest_within(widths, max_cost, timer or _width_timer(model, plan, widths))
     return cached[key]
 
 
@@ -179,7 +180,7 @@ def _widest_within(widths: Sequence[int], max_cost: float, timer: WidthTimer) ->
     return affordable
 
 
-def _width_timer(model: PreTrainedModel, narrow: int, widths: Sequence[int]) -> WidthTimer:
+def _width_timer(model: PreTrainedModel, narrow: int | LinearPlan, widths: Sequence[int]) -> WidthTimer:
     """`timer(width)`: seconds of one batch-1 forward over `width` tokens, after one untimed pass over `widths`."""
     forward = _CachedForward(model, 1, LOOKAHEAD_CONTEXT, torch.Generator().manual_seed(0), narrow)
     for width in (1, *widths):

@@ -95,6 +95,12 @@ class LinearPlan:
         return (self.narrow_rows >= 2 or bool(self.weight_first)
                 or any(wider != rows for rows, wider in enumerate(self.pad_to)))
 
+    def to_dict(self) -> dict[str, object]:
+        """What the plan changes, for results files: `{"narrow_rows": int, "weight_first": [rows, ...],
+        "pad_to": {rows: wider rows}}`."""
+        padded = {rows: wider for rows, wider in enumerate(self.pad_to) if wider != rows}
+        return {"narrow_rows": self.narrow_rows, "weight_first": sorted(self.weight_first), "pad_to": padded}
+
     def computes_weight_first(self, rows: int) -> bool:
         """Whether a product over `rows` rows is computed weight-first."""
         return 2 <= rows <= self.narrow_rows or rows in self.weight_first

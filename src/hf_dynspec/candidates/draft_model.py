@@ -8,6 +8,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import RaggedCache, check_cache_supported, loop_cache
 from ..config import DynSpecConfig
+from ..kernels import LinearPlan
 from ..placement import Placement
 from ..processors import process_path_logits
 from ..sequences import TokenBatch
@@ -20,11 +21,13 @@ MAX_INLINE_TAIL = 2
 forward; wider ones are caught up in a forward of their own."""
 
 
-def draft_lookahead_tokens(draft_model: PreTrainedModel, config: DynSpecConfig, narrow: int = 0) -> int:
+def draft_lookahead_tokens(
+    draft_model: PreTrainedModel, config: DynSpecConfig, narrow: int | LinearPlan = 0
+) -> int:
     """Guess tokens a forward of `draft_model` may carry: `config.draft_lookahead`, cut to what stays within
     `config.draft_lookahead_max_cost` times a one-token forward (`calibration.affordable_lookahead`: timed on the first
-    call of a process for this model and setting, cached after). `narrow`: the rows its linear layers compute
-    weight-first (`Placement.narrow_rows`)."""
+    call of a process for this model and setting, cached after). `narrow`: how its linear layers are computed
+    (`Placement.linear_plans`; an int: weight-first up to that many rows)."""
     most, max_cost = config.draft_lookahead, config.draft_lookahead_max_cost
     if most == 0 or max_cost is None:
         return most
@@ -140,8 +143,8 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
 
     def lookahead_tokens(self) -> int:
         """Guess tokens a draft forward may carry (`draft_lookahead_tokens`, measured once per process)."""
-        narrow = self.placement.narrow_rows.get(id(self.draft_model), 0)
-        return draft_lookahead_tokens(self.draft_model, self.config, narrow)
+        plan = self.placement.linear_plans.get(id(self.draft_model), LinearPlan())
+        return draft_lookahead_tokens(self.draft_model, self.config, plan)
 
     def _reach(self, batch: TokenBatch, lengths: torch.LongTensor, lookahead: int) -> torch.LongTensor:
         """`[batch]` most draft tokens each row may end with: its length, or with lookahead up to

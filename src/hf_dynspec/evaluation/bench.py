@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..kernels import narrow_rows
+from ..kernels import linear_plan
 from .equivalence import classify, summarize
 from .methods import Method, parse_methods
 from .models import (
@@ -328,7 +328,9 @@ def run_benchmark(
                 entry.equivalence = check_equivalence(entry.outcomes, reference, target.dtype)
     config = _config_dict(settings, prompts, budgets)
     # what `narrow_linear="auto"` (the loop's default, and `+narrow` methods) computes weight-first per model
-    config["narrow_rows"] = {role: narrow_rows(m, "auto") for role, m in (("target", target), ("draft", draft)) if m}
+    plans = {role: linear_plan(m, "auto") for role, m in (("target", target), ("draft", draft)) if m}
+    config["narrow_rows"] = {role: plan.narrow_rows for role, plan in plans.items()}
+    config["linear_plans"] = {role: plan.to_dict() for role, plan in plans.items()}
     return {
         "machine": machine_description(),
         "config": config,

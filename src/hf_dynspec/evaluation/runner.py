@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from ..candidates.draft_model import draft_lookahead_tokens
-from ..kernels import narrow_linear, narrow_rows, row_major_output
+from ..kernels import linear_plan, narrow_linear, row_major_output
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
 
@@ -182,7 +182,7 @@ class Runner:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._policies: dict[str, Any] = {}
         self._draft_configs: dict[str, Any] = {}
-        self._narrow_rows = narrow_rows(target, "auto")  # `+narrow` methods: what the loop measures for the target
+        self._linear_plan = linear_plan(target, "auto")  # `+narrow` methods: what the loop measures for the target
         self._target_counter = ForwardCounter(target)
         self._draft_counters = [ForwardCounter(m) for m in (draft, *self.variant_drafts.values())]
 
@@ -225,7 +225,7 @@ class Runner:
         config = method.dynspec_config
         draft = self._draft(method) if method.uses_draft else None
         if method.kind == "dynspec" and draft is not None and config is not None:
-            draft_lookahead_tokens(draft, config, narrow_rows(draft, config.narrow_linear))
+            draft_lookahead_tokens(draft, config, linear_plan(draft, config.narrow_linear))
             self._draft_forwards()  # the measurement's forwards are no method's
 
     def close(self) -> None:
@@ -275,7 +275,7 @@ class Runner:
             torch.manual_seed(self.seed)
         start, cpu_start = time.perf_counter(), time.process_time()
         models = ((self.target, self._draft(method)) if method.uses_draft else (self.target,)) if method.row_major else ()
-        with torch.inference_mode(), narrow_linear(self._narrow_rows if method.narrow else 0), row_major_output(*models):
+        with torch.inference_mode(), narrow_linear(self._linear_plan if method.narrow else 0), row_major_output(*models):
             output = self._call(method, kwargs)
         outcome.seconds += time.perf_counter() - start
         outcome.cpu_seconds += time.process_time() - cpu_start
