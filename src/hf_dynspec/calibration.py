@@ -148,8 +148,8 @@ def affordable_lookahead(
 
     Times forwards over 1 token and over `1 + g` tokens for `g + 1` in `LOOKAHEAD_WIDTHS` up to `1 + most` (and `1 +
     most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers computed as the loop
-    computes them (`narrow`: the model's `kernels.LinearPlan`, or weight-first up to that many rows). After one untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds
-    each time every width once, and a width is worth its fastest sample: other processes only ever slow a forward
+    computes them (`narrow`: the model's `kernels.LinearPlan`, or weight-first up to that many rows). After one
+    untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds each time every width once, and a width is worth its fastest sample: other processes only ever slow a forward
     down, and a burst of load shorter than the rounds leaves every width a clean sample, where timing one width's
     samples back to back could price that width alone at the burst's speed. Returns the widest `g` within the cost at
     that width and every narrower one, 0 when two tokens already cost more. Measured once per process, model and

@@ -133,8 +133,8 @@ class DynSpecConfig:
         metadata={"help": "Linear layers of forwards over a few rows (verify forwards, draft lookahead, trees): 'auto' "
                   "computes each row count the fastest way measured (weight-first, `(W @ x.T).T`, or as a product over "
                   "a wider row count), timed once per process and weight shape on weights read from memory, as a "
-                  "forward reads them (float32 on a CPU; see `hf_dynspec.kernels`); 'on' always computes weight-first for float32 weights, 'off' "
-                  "changes nothing. One-row forwards are never changed."},
+                  "forward reads them (float32 on a CPU; see `hf_dynspec.kernels`); 'on' always computes weight-first "
+                  "for float32 weights, 'off' changes nothing. One-row forwards are never changed."},
     )
     compact_min_holes: int = field(
         default=32,

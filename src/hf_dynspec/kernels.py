@@ -323,7 +323,7 @@ def linear_plan(model: torch.nn.Module, setting: str, timer: Timer | None = None
 def cold_copies(model: torch.nn.Module, shape: tuple[int, int], dtype: torch.dtype) -> int:
     """How many copies of a `shape` weight `auto` rotates through: as many bytes as the model's parameters (on
     `meta` too, for offloaded ones), up to `COLD_BYTES`, and at least 1."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     model_bytes = sum(p.numel() for p in model.parameters()) * size
     return max(1, min(model_bytes, COLD_BYTES) // (shape[0] * shape[1] * size))
 
