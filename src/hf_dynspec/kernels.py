@@ -190,7 +190,6 @@ class NarrowLinear(TorchFunctionMode):
     def __init__(self, max_rows: int | LinearPlan) -> None:
         super().__init__()
         self.plan = max_rows if isinstance(max_rows, LinearPlan) else LinearPlan(max_rows)
-        self.max_rows = self.plan.narrow_rows
         self._active = self.plan.changes_anything  # once, not on every linear call of every forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
