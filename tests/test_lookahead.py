@@ -192,6 +192,22 @@ def test_affordable_lookahead_is_the_widest_forward_within_the_cost(most, step_w
     assert affordable_lookahead(model, most, 1.25, timer=timer) == most
 
 
+@pytest.mark.parametrize(("base", "step_width", "expected"), [
+    (3, 100, 8),  # wide forwards nearly free: every guess beside 3 frontier nodes too
+    (3, 5, 2),  # forwards over more than 5 tokens cost twice: 2 guesses beside 3 nodes (4 beside one token)
+    (3, 3, 0),  # the frontier's 3 tokens are all a forward may feed
+])
+def test_affordable_lookahead_beside_a_wider_forward(base, step_width, expected):
+    """Guesses are priced against the forward they ride on: over `base` tokens, timed as widths `base + g`."""
+    model = tiny_model("llama", seed=0)
+    timer, timed = _stepped(step_width)
+    assert affordable_lookahead(model, 8, 1.25, timer=timer, base=base) == expected
+    assert timed == [3, 4, 5, 7, 11] * LOOKAHEAD_ROUNDS
+    assert affordable_lookahead(model, 8, 1.25, timer=_stepped(step_width)[0]) == min(8, step_width - 1)
+    with pytest.raises(ValueError, match="`base` must be an int >= 1"):
+        affordable_lookahead(model, 8, 1.25, timer=timer, base=0)
+
+
 def _bursty(timer, burst: range, slowdown: float = 4.0):
     """`timer`, with the calls numbered in `burst` (counting from 0) `slowdown` times slower: other processes."""
     calls = iter(range(10**6))

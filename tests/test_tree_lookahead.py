@@ -8,12 +8,13 @@ import torch
 from conftest import left_padded_prompts, perturbed, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_lookahead import UNCAPPED
+from test_lookahead import UNCAPPED, _stepped
 from test_sampling import NEW, VOCAB, assert_converges, exact_joint, small_vocab_pair  # noqa: F401 (fixture)
 from test_tree_loop import StopAtDepth, plain, speculative
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.calibration import affordable_lookahead
 from hf_dynspec.candidates import DraftTreeProposer
 from hf_dynspec.candidates.draft_model import DraftModelProposer
 from hf_dynspec.candidates.prompt_lookup import PromptLookupProposer
@@ -128,6 +129,44 @@ def test_lookahead_saves_forwards_on_branching_trees(pair, adopted):
     assert sum(adopted) > 0
     assert ahead.dynspec_stats.draft_forwards < stepwise.dynspec_stats.draft_forwards  # the same tokens, fewer forwards
     assert any(n > d for s in ahead.dynspec_stats.steps for n, d in zip(s.draft_lengths, s.draft_depths)), "no branch"
+
+
+@pytest.fixture
+def guess_calls(monkeypatch) -> list[tuple[bool, int]]:
+    """Per `DraftTreeProposer._tree_guesses` call: whether it guesses below the root, and the guess tokens allowed."""
+    calls: list[tuple[bool, int]] = []
+    original = DraftTreeProposer._tree_guesses
+
+    def spy(self, batch, candidates, anchor, wanted, reach, lookahead):
+        calls.append((candidates is None, lookahead))
+        return original(self, batch, candidates, anchor, wanted, reach, lookahead)
+
+    monkeypatch.setattr(DraftTreeProposer, "_tree_guesses", spy)
+    return calls
+
+
+@pytest.mark.parametrize(("step_width", "root", "deeper"), [
+    (100, 8, 8),  # wide forwards nearly free: every guess at every depth
+    (2, 1, 0),  # one token more than a root's tail is free, any beside a frontier of 2 is not
+    (3, 2, 1),
+])
+def test_a_trees_deeper_forwards_carry_only_the_guesses_affordable_beside_its_frontier(
+    pair, adopted, guess_calls, step_width, root, deeper
+):
+    """A forward over a tree's frontier already feeds `branching` nodes, so its guesses are measured against that
+    width: where a forward over more than `step_width` tokens costs twice as much, the root's forward carries
+    `step_width - 1` guesses and a deeper one `step_width - branching`. The output stays plain greedy's."""
+    target, draft = pair
+    for base in (1, 2):  # measured once per process: what the draft's forwards cost, from the first call on
+        affordable_lookahead(draft, 8, 1.25, narrow=0, timer=_stepped(step_width)[0], base=base)
+    ids, mask = left_padded_prompts([14], seed=4)
+    config = DynSpecConfig(policy="static", num_speculative_tokens=6, tree_node_budget=12, tree_branching=2,
+                           draft_lookahead=8, draft_lookahead_max_cost=1.25, narrow_linear="off")
+    out = speculative(target, ids, mask, config, draft, do_sample=False, max_new_tokens=40)
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=40))
+    assert {allowed for at_root, allowed in guess_calls if at_root} == {root}
+    assert {allowed for at_root, allowed in guess_calls if not at_root} == {deeper}
+    assert out.dynspec_stats.draft_lookahead == root
 
 
 def test_a_stopped_tree_drops_what_lookahead_grew_below_the_stop(attending_pair, oracle_guesses, adopted):

@@ -134,56 +134,67 @@ LOOKAHEAD_CONTEXT = 32
 """Cached tokens under the forwards `affordable_lookahead` times (attention over them is cheap at any width)."""
 
 _AFFORDABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""`affordable_lookahead` results per model: `{(most, max_cost, linear plan, threads): guess tokens}`."""
+"""`affordable_lookahead` results per model: `{(most, max_cost, linear plan, threads, base): guess tokens}`."""
 
 WidthTimer = Callable[[int], float]
 """`timer(width)`: seconds of one forward over `width` new tokens at batch size 1."""
 
 
 def affordable_lookahead(
-    model: PreTrainedModel, most: int, max_cost: float, narrow: int | LinearPlan = 0, timer: WidthTimer | None = None
+    model: PreTrainedModel,
+    most: int,
+    max_cost: float,
+    narrow: int | LinearPlan = 0,
+    timer: WidthTimer | None = None,
+    base: int = 1,
 ) -> int:
     """The most guess tokens (at most `most`) a lookahead forward of `model` may carry and cost at most `max_cost`
-    times a forward over one token (`DynSpecConfig.draft_lookahead_max_cost`).
+    times the forward it rides on, over `base` tokens (`DynSpecConfig.draft_lookahead_max_cost`): a chain's forward
+    feeds one token, a tree's feeds its frontier of `branching` nodes.
 
-    Times forwards over 1 token and over `1 + g` tokens for `g + 1` in `LOOKAHEAD_WIDTHS` up to `1 + most` (and `1 +
-    most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers computed as the loop
+    Times forwards over `base` tokens and over `base + g` tokens for `g + 1` in `LOOKAHEAD_WIDTHS` up to `1 + most`
+    (and `most` itself), at batch size 1 on a `LOOKAHEAD_CONTEXT`-token cache, with linear layers computed as the loop
     computes them (`narrow`: the model's `kernels.LinearPlan`, or weight-first up to that many rows). After one
-    untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds each time every width once, and a width is worth its fastest sample: other processes only ever slow a forward
-    down, and a burst of load shorter than the rounds leaves every width a clean sample, where timing one width's
-    samples back to back could price that width alone at the burst's speed. Returns the widest `g` within the cost at
-    that width and every narrower one, 0 when two tokens already cost more. Measured once per process, model and
-    setting; `timer` (seconds of one forward over `width` tokens) measures anew (for tests).
+    untimed pass over all widths, `LOOKAHEAD_ROUNDS` rounds each time every width once, and a width is worth its
+    fastest sample: other processes only ever slow a forward down, and a burst of load shorter than the rounds leaves
+    every width a clean sample, where timing one width's samples back to back could price that width alone at the
+    burst's speed. Returns the widest `g` within the cost at that width and every narrower one, 0 when one guess token
+    already costs more. Measured once per process, model, setting and `base`; `timer` (seconds of one forward over
+    `width` tokens) measures anew (for tests).
     """
+    if not isinstance(base, int) or base < 1:
+        raise ValueError(f"`base` must be an int >= 1 (the tokens a forward feeds besides guesses), got {base!r}.")
     plan = narrow if isinstance(narrow, LinearPlan) else LinearPlan(narrow)  # an int and its plan: one key
-    key = (most, max_cost, plan, torch.get_num_threads())
+    key = (most, max_cost, plan, torch.get_num_threads(), base)
     cached = _AFFORDABLE.setdefault(model, {})
     if key not in cached or timer is not None:
-        widths = sorted({w for w in LOOKAHEAD_WIDTHS if w <= 1 + most} | {1 + most}) if most > 0 else []
-        cached[key] = _widest_within(widths, max_cost, timer or _width_timer(model, plan, widths))
+        guesses = sorted({w - 1 for w in LOOKAHEAD_WIDTHS if w - 1 <= most} | {most}) if most > 0 else []
+        widths = [base + g for g in guesses]
+        cached[key] = _widest_within(widths, max_cost, timer or _width_timer(model, plan, [base, *widths]), base)
     return cached[key]
 
 
-def _widest_within(widths: Sequence[int], max_cost: float, timer: WidthTimer) -> int:
-    """The widest of `widths` (minus the newest token) whose forward, and every narrower one's, costs at most
-    `max_cost` times one token's; each width priced at its fastest sample over `LOOKAHEAD_ROUNDS` interleaved rounds."""
-    samples: dict[int, list[float]] = {width: [] for width in (1, *widths)}
+def _widest_within(widths: Sequence[int], max_cost: float, timer: WidthTimer, base: int = 1) -> int:
+    """The widest of `widths` (minus the `base` tokens) whose forward, and every narrower one's, costs at most
+    `max_cost` times one over `base` tokens; each width priced at its fastest sample over `LOOKAHEAD_ROUNDS`
+    interleaved rounds."""
+    samples: dict[int, list[float]] = {width: [] for width in (base, *widths)}
     for _ in range(LOOKAHEAD_ROUNDS):
         for width, timed in samples.items():
             timed.append(timer(width))
-    one = min(samples[1])
+    floor = min(samples[base])
     affordable = 0
     for width in widths:
-        if min(samples[width]) > max_cost * one:
+        if min(samples[width]) > max_cost * floor:
             break
-        affordable = width - 1
+        affordable = width - base
     return affordable
 
 
 def _width_timer(model: PreTrainedModel, narrow: int | LinearPlan, widths: Sequence[int]) -> WidthTimer:
     """`timer(width)`: seconds of one batch-1 forward over `width` tokens, after one untimed pass over `widths`."""
     forward = _CachedForward(model, 1, LOOKAHEAD_CONTEXT, torch.Generator().manual_seed(0), narrow)
-    for width in (1, *widths):
+    for width in widths:
         forward(width, keep=width)
     return lambda width: time_call(partial(forward, width, width), warmup=0, repeats=1)[0]
 

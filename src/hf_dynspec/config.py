@@ -106,7 +106,8 @@ class DynSpecConfig:
     draft_lookahead_max_cost: float | None = field(
         default=1.25,
         metadata={"help": "Draft model: the most a draft forward with lookahead guesses may cost, as a multiple of a "
-                  "forward over one token. The draft's forward is timed at a few widths once per process "
+                  "forward without them (over one token for a chain, over `tree_branching` frontier nodes for a "
+                  "tree's deeper forwards). The draft's forward is timed at a few widths once per process "
                   "(`calibration.affordable_lookahead`), and lookahead feeds at most as many guess tokens as stay "
                   "within this cost: all of `draft_lookahead` where wider forwards are nearly free (bfloat16 with AMX), "
                   "few or none where each token costs more (float32 with AVX2). None: no limit."},

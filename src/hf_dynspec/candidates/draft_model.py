@@ -22,18 +22,19 @@ forward; wider ones are caught up in a forward of their own."""
 
 
 def draft_lookahead_tokens(
-    draft_model: PreTrainedModel, config: DynSpecConfig, narrow: int | LinearPlan = 0
+    draft_model: PreTrainedModel, config: DynSpecConfig, narrow: int | LinearPlan = 0, base: int = 1
 ) -> int:
-    """Guess tokens a forward of `draft_model` may carry: `config.draft_lookahead`, cut to what stays within
-    `config.draft_lookahead_max_cost` times a one-token forward (`calibration.affordable_lookahead`: timed on the first
-    call of a process for this model and setting, cached after). `narrow`: how its linear layers are computed
-    (`Placement.linear_plans`; an int: weight-first up to that many rows)."""
+    """Guess tokens a draft forward over `base` other tokens (a chain's newest token, a tree's frontier) may carry:
+    `config.draft_lookahead`, cut to what stays within `config.draft_lookahead_max_cost` times the forward without
+    them (`calibration.affordable_lookahead`: timed on the first call of a process for this model, setting and
+    `base`, cached after). `narrow`: how its linear layers are computed (`Placement.linear_plans`; an int:
+    weight-first up to that many rows)."""
     most, max_cost = config.draft_lookahead, config.draft_lookahead_max_cost
     if most == 0 or max_cost is None:
         return most
     from ..calibration import affordable_lookahead  # calibration imports the policies, which import this module
 
-    return affordable_lookahead(draft_model, most, max_cost, narrow)
+    return affordable_lookahead(draft_model, most, max_cost, narrow, base=base)
 
 
 class DraftModelProposer(CandidateGenerator, BatchedProposer):
@@ -141,10 +142,11 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self._fed_nodes = torch.cat(fed, 1) if fed else lengths.new_zeros((batch.batch_size, 0))
         return chain.proposal()
 
-    def lookahead_tokens(self) -> int:
-        """Guess tokens a draft forward may carry (`draft_lookahead_tokens`, measured once per process)."""
+    def lookahead_tokens(self, base: int = 1) -> int:
+        """Guess tokens a draft forward over `base` other tokens may carry (`draft_lookahead_tokens`, measured once
+        per process)."""
         plan = self.placement.linear_plans.get(id(self.draft_model), LinearPlan())
-        return draft_lookahead_tokens(self.draft_model, self.config, plan)
+        return draft_lookahead_tokens(self.draft_model, self.config, plan, base)
 
     def _reach(self, batch: TokenBatch, lengths: torch.LongTensor, lookahead: int) -> torch.LongTensor:
         """`[batch]` most draft tokens each row may end with: its length, or with lookahead up to

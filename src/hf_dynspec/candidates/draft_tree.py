@@ -18,6 +18,9 @@ node being expanded (the root, in the first forward), as a chain's forwards do. 
 that node's children, the guess column's logits already give that child's own children, and so on along the guess.
 A depth whose best node lookahead has expanded this way costs no forward: only the nodes lookahead expanded grow
 there, the others stay leaves. Output does not change (the target decides every token); only the tree's shape does.
+A deeper forward feeds `branching` frontier nodes, so its guesses are measured against a forward over those
+(`lookahead_tokens(branching)`): where a few more tokens cross a step of the matrix kernels (float32 on a CPU without
+AMX), they carry fewer guesses than the root's forward, or none.
 
 Draft-cache columns of fed frontier nodes and guesses stay only if the verifier accepts them (`commit`), as in a
 chain.
@@ -112,6 +115,8 @@ class DraftTreeProposer(DraftModelProposer):
             return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths), None)
         begun = self.placement.clock()
         lookahead = self.lookahead = self.lookahead_tokens()  # measured on the first call of a process
+        # a deeper forward feeds the frontier: its guesses must be cheap beside `branching` nodes, not beside one
+        frontier_lookahead = min(lookahead, self.lookahead_tokens(self.branching)) if lookahead else 0
         self.setup_seconds = self.placement.clock() - begun
         reach = lengths.clone()  # [batch] depth each row may still grow to (cut where `early_stop` ends it)
         growth, context_length = self._grow_root(batch, (ids, mask, positions), reach, lookahead)
@@ -124,7 +129,7 @@ class DraftTreeProposer(DraftModelProposer):
             if frontier is None:  # lookahead already expanded every row's best node here: no forward
                 continue
             anchor = frontier[:, 0]  # [batch] each row's best node to expand: guesses follow it
-            guess = self._tree_guesses(batch, growth.candidates, anchor, active[:, 0], reach, lookahead)
+            guess = self._tree_guesses(batch, growth.candidates, anchor, active[:, 0], reach, frontier_lookahead)
             scores, guess_logits = self._expand(batch, growth, frontier, active, guess, context_length, depth)
             growth.fed.append(torch.where(active, frontier, -1))
             growth.grow(frontier, active, self._draw(scores), scores.softmax(dim=-1) if self.do_sample else None)

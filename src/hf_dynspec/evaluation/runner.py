@@ -225,7 +225,9 @@ class Runner:
         config = method.dynspec_config
         draft = self._draft(method) if method.uses_draft else None
         if method.kind == "dynspec" and draft is not None and config is not None:
-            draft_lookahead_tokens(draft, config, linear_plan(draft, config.narrow_linear))
+            plan = linear_plan(draft, config.narrow_linear)
+            for base in sorted({1, config.tree_branching} if config.tree_node_budget else {1}):  # a tree's frontier
+                draft_lookahead_tokens(draft, config, plan, base)
             self._draft_forwards()  # the measurement's forwards are no method's
 
     def close(self) -> None:
