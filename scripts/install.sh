@@ -8,4 +8,4 @@ PIP="$PYTHON -m pip"
 if ! $PYTHON -c "import torch" >/dev/null 2>&1; then
   $PIP install --quiet "torch==2.13.0" || $PIP install --quiet "torch>=2.4"
 fi
-$PIP install --quiet -e ".[dev,evaluation,docs,bitsandbytes]"
+$PIP install --quiet -e ".[dev,clients,evaluation,docs,bitsandbytes]"

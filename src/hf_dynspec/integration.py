@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
+from .config import DynSpecConfig
 from .loop import speculative_loop
 from .validation import check_vocabularies
 
@@ -20,11 +22,15 @@ def generate(model: PreTrainedModel, inputs=None, **kwargs):
     `streamer` are handed to the loop explicitly (transformers does not forward them to a callable
     `custom_generate`), and so are `tokenizer` and `assistant_tokenizer` for a draft with another tokenizer. With
     sampling, `num_return_sequences=n` repeats each prompt `n` times in the batch (rows `i * n` to `i * n + n - 1`
-    continue prompt `i`, as in plain `generate`), and each row samples on its own.
+    continue prompt `i`, as in plain `generate`), and each row samples on its own. A PEFT model (target or draft)
+    generates through its base model, whose layers hold the adapters (see [`enable`]).
     """
     if kwargs.get("custom_generate") is not None:
         raise ValueError("`custom_generate` is set by hf_dynspec.generate itself; remove it from the call.")
     kwargs.pop("custom_generate", None)
+    model = _generating_model(model, "model")
+    if kwargs.get("assistant_model") is not None:
+        kwargs["assistant_model"] = _generating_model(kwargs["assistant_model"], "assistant_model")
     assistant_model, assistant_tokenizer = kwargs.get("assistant_model"), kwargs.pop("assistant_tokenizer", None)
     if assistant_model is not None and assistant_tokenizer is None:
         check_vocabularies(model, assistant_model)
@@ -66,43 +72,149 @@ def _expand_return_sequences(model: PreTrainedModel, inputs: Any, kwargs: dict[s
     return inputs, kwargs
 
 
-def _wants_speculation(model: PreTrainedModel, kwargs: dict) -> bool:
-    if kwargs.get("custom_generate") is not None:
+@dataclass
+class Binding:
+    """What [`enable`] bound to a model: the draft and settings of every `generate` call that brings no proposer."""
+
+    assistant_model: PreTrainedModel | None = None
+    dynspec_config: DynSpecConfig | dict | str | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    assistant_tokenizer: PreTrainedTokenizerBase | None = None
+
+    def call_kwargs(self, model: PreTrainedModel, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` of a `generate` call with what the call does not bring itself: the config always, the draft (and
+        its tokenizers) only when the call names no proposer of its own (`assistant_model`,
+        `prompt_lookup_num_tokens`) and the loop can serve it (no beam search; several sequences per prompt only
+        with sampling: other calls run transformers' own loop)."""
+        kwargs = dict(kwargs)
+        if self.dynspec_config is not None and kwargs.get("dynspec_config") is None:
+            kwargs["dynspec_config"] = self.dynspec_config
+        if self.assistant_model is None or _brings_proposer(model, kwargs) or not _loop_serves(model, kwargs):
+            return kwargs
+        kwargs["assistant_model"] = self.assistant_model
+        for name in ("tokenizer", "assistant_tokenizer"):
+            if getattr(self, name) is not None and kwargs.get(name) is None:
+                kwargs[name] = getattr(self, name)
+        return kwargs
+
+
+def _setting(model: PreTrainedModel, kwargs: dict[str, Any], name: str) -> Any:
+    """A generation setting of a call: its keyword, else its `generation_config`'s, else the model's."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    return getattr(kwargs.get("generation_config") or model.generation_config, name, None)
+
+
+def _brings_proposer(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens") is not None
+
+
+def _loop_serves(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
+    """Whether the loop takes a call of these settings (beam search it does not; several sequences per prompt with
+    sampling only)."""
+    if (_setting(model, kwargs, "num_beams") or 1) > 1:
         return False
-    generation_config = kwargs.get("generation_config") or model.generation_config
-    lookup = kwargs.get("prompt_lookup_num_tokens", generation_config.prompt_lookup_num_tokens)
-    return kwargs.get("assistant_model") is not None or lookup is not None
+    return (_setting(model, kwargs, "num_return_sequences") or 1) == 1 or bool(_setting(model, kwargs, "do_sample"))
 
 
-def enable(model: PreTrainedModel) -> PreTrainedModel:
-    """Route `model.generate(..., assistant_model=draft)` (or `prompt_lookup_num_tokens=n`) through hf_dynspec.
+def _wants_speculation(model: PreTrainedModel, kwargs: dict) -> bool:
+    return kwargs.get("custom_generate") is None and _brings_proposer(model, kwargs)
 
-    Only this model object changes (its `generate` attribute); calls without a proposer, or with their own
-    `custom_generate`, run transformers' original `generate`. Undo with [`disable`].
+
+def enable(
+    model: PreTrainedModel,
+    assistant_model: PreTrainedModel | None = None,
+    *,
+    dynspec_config: DynSpecConfig | dict | str | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    assistant_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreTrainedModel:
+    """Route `model.generate` through hf_dynspec, optionally with a draft bound to the model.
+
+    Without `assistant_model`, calls that bring a proposer (`assistant_model=draft` or `prompt_lookup_num_tokens=n`)
+    speculate and every other call runs transformers' original `generate`. With it, every later call that brings no
+    proposer of its own speculates with the bound draft, so callers that pass only a `GenerationConfig` (TRL's
+    trainers, lm-evaluation-harness, pipelines) speculate too. A call's own `assistant_model`,
+    `prompt_lookup_num_tokens` or `dynspec_config` wins over what is bound; calls the loop cannot serve (beam search,
+    several greedy sequences per prompt) and calls with their own `custom_generate` run transformers' `generate`.
+
+    A PEFT model (`PeftModel` with LoRA or other adapters that change weights, not prompt learning) is enabled on its
+    base model, whose layers hold the adapters, so `peft_model.generate` reaches the loop through peft's own
+    `generate`. The model's train or eval mode is left as it is, and nothing is cached from its weights, so it may be
+    trained between calls. Enabling an enabled model again updates what is bound (an `assistant_model` of `None`
+    keeps the bound draft); binding another draft than the bound one needs [`disable`] first.
+
+    Args:
+        model: the target model (or a PEFT model around it).
+        assistant_model: a draft to bind (a PEFT draft is used through its base model, adapters included).
+        dynspec_config: the loop's settings for calls that bring none.
+        tokenizer: the target's tokenizer, for a bound draft with another tokenizer.
+        assistant_tokenizer: the bound draft's tokenizer, when it differs from the target's.
     """
-    if getattr(model, "_dynspec_original_generate", None) is not None:
-        return model
-    original = model.generate
+    target, draft = _generating_model(model, "model"), _generating_model(assistant_model, "assistant_model")
+    if draft is not None:
+        if assistant_tokenizer is None:
+            check_vocabularies(target, draft)
+        elif tokenizer is None:
+            raise ValueError("enable(..., assistant_tokenizer=...) binds a draft with another tokenizer: pass the "
+                             "target's tokenizer as `tokenizer` too.")
+    binding = getattr(target, "_dynspec_binding", None)
+    if binding is None:
+        _wrap_generate(target)
+        binding = target._dynspec_binding = Binding()
+    if draft is not None and binding.assistant_model not in (None, draft):
+        raise ValueError(
+            "This model is already enabled with another draft; call hf_dynspec.disable(model) before binding a new one."
+        )
+    binding.assistant_model = draft if draft is not None else binding.assistant_model
+    for name, value in (("dynspec_config", dynspec_config), ("tokenizer", tokenizer),
+                        ("assistant_tokenizer", assistant_tokenizer)):
+        if value is not None:
+            setattr(binding, name, value)
+    return model
+
+
+def _wrap_generate(target: PreTrainedModel) -> None:
+    """Replace `target.generate` (this object only) with one that consults the model's binding."""
+    original = target.generate
 
     @functools.wraps(original)
     def dynspec_generate(*args, **kwargs):
-        if _wants_speculation(model, kwargs):
-            return generate(model, *args, **kwargs)
+        bound = target._dynspec_binding.call_kwargs(target, kwargs)
+        if _wants_speculation(target, bound):
+            return generate(target, *args, **bound)
         return original(*args, **kwargs)
 
-    model._dynspec_original_generate = original
-    model.generate = dynspec_generate
-    return model
+    target._dynspec_original_generate = original
+    target.generate = dynspec_generate
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
-    """Restore the `generate` that [`enable`] replaced."""
-    original = getattr(model, "_dynspec_original_generate", None)
+    """Restore the `generate` that [`enable`] replaced, and unbind its draft."""
+    target = _generating_model(model, "model")
+    original = getattr(target, "_dynspec_original_generate", None)
     if original is None:
         return model
-    if "generate" in model.__dict__:
-        del model.__dict__["generate"]
-    if getattr(original, "__self__", None) is not model:
-        model.generate = original  # it was an instance attribute before enable (e.g. a Hub custom_generate)
-    model._dynspec_original_generate = None
+    if "generate" in target.__dict__:
+        del target.__dict__["generate"]
+    if getattr(original, "__self__", None) is not target:
+        target.generate = original  # it was an instance attribute before enable (e.g. a Hub custom_generate)
+    target._dynspec_original_generate = None
+    target._dynspec_binding = None
     return model
+
+
+def _generating_model(model: Any, role: str) -> Any:
+    """The transformers model that generates for `model`: a PEFT model's base model (its layers hold the adapters),
+    `model` itself otherwise; a clear error for PEFT prompt learning, whose virtual tokens only peft's own forward
+    adds."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if model is None or get_base_model is None or not hasattr(model, "peft_config"):
+        return model
+    if model.active_peft_config.is_prompt_learning:
+        raise ValueError(
+            f"`{role}` is a PEFT model with a prompt-learning adapter ({type(model.active_peft_config).__name__}), "
+            "whose virtual tokens hf_dynspec's loop does not add; use an adapter that changes weights (LoRA and the "
+            "like) or generate without hf_dynspec."
+        )
+    return get_base_model()

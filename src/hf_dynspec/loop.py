@@ -38,6 +38,7 @@ from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedb
 from .processors import process_logits, process_tree_logits
 from .sequences import EmittedScores, TokenBatch, widen
 from .stats import DynSpecStats, StepRecord
+from .stopping import LockstepCriteria, answers_row_by_row
 from .validation import validate_inputs
 from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling
 
@@ -127,7 +128,8 @@ class _Run:
         self.generation_config = generation_config
         self.config = config
         self.logits_processor = logits_processor
-        self.extra_criteria = [c for c in stopping_criteria if not _applied_by_loop(c, generation_config)]
+        extra_criteria = [c for c in stopping_criteria if not _applied_by_loop(c, generation_config)]
+        self.row_criteria = [c for c in extra_criteria if answers_row_by_row(c)]  # asked row by row, at once
         self.placement = Placement.of(input_ids.device, model, draft, config.narrow_linear)
         self.decisions = DecisionBroadcast.for_run(model, draft, self.placement)  # rank 0 decides when sharded
         self.do_sample = bool(generation_config.do_sample)
@@ -135,6 +137,8 @@ class _Run:
         self.eos = eos.reshape(-1).to(input_ids.device) if eos is not None else None
         pad = generation_config._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
+        batch_criteria = [c for c in extra_criteria if not answers_row_by_row(c)]
+        self.criteria = LockstepCriteria(batch_criteria, input_ids, self.pad_id) if batch_criteria else None
         self.proposer = self._make_proposer(draft)
         self.max_draft = self._max_draft_tokens()
         self.max_free = self.config.prompt_lookup_max_tokens if isinstance(self.proposer, HybridProposer) else self.max_draft
@@ -354,7 +358,8 @@ class _Run:
     ) -> dict[str, torch.Tensor]:
         """`[batch, max_depth + 1, vocab]` processed scores and raw logits before each emitted token (at the root,
         then along the accepted path), each only where stopping criteria or the output need them."""
-        needed = set(self.kept) | ({"scores"} if self.extra_criteria else set())
+        asked = self.criteria is not None or self.row_criteria
+        needed = set(self.kept) | ({"scores"} if asked else set())
         at_nodes = {"scores": scores, "logits": logits}  # [batch, nodes, vocab] each
         rows = torch.arange(scores.shape[0], device=scores.device).unsqueeze(1)
         before = torch.cat([outcome.path.new_zeros((scores.shape[0], 1)), outcome.path.clamp(min=0)], dim=1)
@@ -435,11 +440,14 @@ class _Run:
         counts = counts.minimum(batch.remaining)
         finished = counts >= batch.remaining
         counts, finished = self._cut_at_eos(emitted, counts, finished)
-        counts, finished = self._cut_at_criteria(batch, emitted, counts, finished, before.get("scores"))
+        counts, finished = self._cut_at_row_criteria(batch, emitted, counts, finished, before.get("scores"))
         for name, record in self.kept.items():
             record.add(batch.row_ids, counts, before[name])
         batch.append(emitted, counts)
         self.stats.emitted_tokens += int(counts.sum())
+        if self.criteria is not None:
+            self.criteria.record(batch.row_ids, emitted, counts, finished, before["scores"])
+            counts, finished = self._stop_rows(batch, self.criteria.stops(), counts, finished)
         if self.stats.steps and self.config.collect_step_stats:
             self.stats.steps[-1].emitted = counts.tolist()
         if self.streamer is not None:
@@ -457,7 +465,7 @@ class _Run:
         first_eos = is_eos.long().argmax(dim=1)
         return torch.where(has_eos, first_eos + 1, counts), finished | has_eos
 
-    def _cut_at_criteria(
+    def _cut_at_row_criteria(
         self,
         batch: TokenBatch,
         emitted: torch.LongTensor,
@@ -465,16 +473,45 @@ class _Run:
         finished: torch.BoolTensor,
         scores: torch.Tensor | None,
     ) -> tuple[torch.LongTensor, torch.BoolTensor]:
-        """Stopping criteria other than length and EOS (stop strings, max time, user criteria), token by token."""
-        if not self.extra_criteria:
+        """Criteria that answer for each row from its own tokens (stop strings, tighter EOS and length criteria), asked
+        token by token on each row's plain prefix as soon as it has the token."""
+        if not self.row_criteria:
             return counts, finished
         counts, finished = counts.clone(), finished.clone()
         for row in range(batch.batch_size):
             for i in range(int(counts[row])):
                 prefix = batch.plain_prefix(row, emitted[row, : i + 1])
-                if any(bool(torch.as_tensor(c(prefix, scores[row, i].unsqueeze(0))).any()) for c in self.extra_criteria):
+                if any(bool(torch.as_tensor(c(prefix, scores[row, i].unsqueeze(0))).any()) for c in self.row_criteria):
                     counts[row], finished[row] = i + 1, True
                     break
+        return counts, finished
+
+    def _stop_rows(
+        self, batch: TokenBatch, stopped: dict[int, int], counts: torch.LongTensor, finished: torch.BoolTensor
+    ) -> tuple[torch.LongTensor, torch.BoolTensor]:
+        """Finish the rows stopping criteria stopped (`{row id: generated tokens}`), each cut back to its length,
+        whether it is still in `batch` or already in the output; returns this step's counts and finished rows after
+        the cuts."""
+        if not stopped:
+            return counts, finished
+        counts, finished = counts.clone(), finished.clone()
+        index = {row: i for i, row in enumerate(batch.row_ids.tolist())}
+        start = self.input_ids.shape[1]
+        for row, length in stopped.items():
+            if row in index:
+                i = index[row]
+                before = int(batch.num_generated[i])
+                batch.tokens[i, start + length : start + before] = self.pad_id
+                batch.num_generated[i] = length
+                counts[i] = max(0, length - (before - int(counts[i])))
+                finished[i] = True
+            else:
+                before = int(self.output_generated[row])
+                self.output[row, start + length : start + before] = self.pad_id
+                self.output_generated[row] = length
+            self.stats.emitted_tokens -= before - length
+            for record in self.kept.values():
+                record.truncate(row, length)
         return counts, finished
 
     def _drop_finished(self, batch: TokenBatch, finished: torch.BoolTensor) -> TokenBatch:

@@ -138,6 +138,11 @@ class EmittedScores:
             if count:
                 self.rows[row].append(values[i, :count].clone())
 
+    def truncate(self, row: int, length: int) -> None:
+        """Keep only row `row`'s values before its first `length` emitted tokens."""
+        values = torch.cat(self.rows[row])[:length] if self.rows[row] else None
+        self.rows[row] = [values] if values is not None and values.shape[0] else []
+
     def per_position(self, positions: int) -> tuple[torch.Tensor, ...]:
         """`positions` tensors `[rows, vocab]`. After its last token a row emits padding, as in plain `generate`; its
         scores there are 0 at the pad id and -inf elsewhere (the pad token is certain), not the model's output."""

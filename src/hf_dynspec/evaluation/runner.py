@@ -29,6 +29,8 @@ class RowBudgets(StoppingCriteria):
     works when the batch shrinks or when `generate` hands over one row at a time.
     """
 
+    answers_row_by_row = True  # the speculative loop may ask it about each row as soon as the row has a token
+
     def __init__(self, prompts: torch.LongTensor, budgets: Sequence[int]) -> None:
         self.prompts = prompts  # [batch, prompt_width] left-padded prompt ids
         self.budgets = torch.as_tensor(list(budgets), dtype=torch.long)  # [batch]
