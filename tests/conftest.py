@@ -20,8 +20,13 @@ EVALUATION = Path(__file__).resolve().parent.parent / "evaluation"
 
 
 def evaluation_script(name: str) -> ModuleType:
-    """The script `evaluation/<name>.py` imported as a module (the scripts are not part of the package)."""
-    spec = importlib.util.spec_from_file_location(name, EVALUATION / f"{name}.py")
+    """The script `evaluation/<name>.py`, or the probe `evaluation/probes/<name>.py`, imported as a module (the scripts
+    are not part of the package)."""
+    folders = (EVALUATION, EVALUATION / "probes")
+    path = next((folder / f"{name}.py" for folder in folders if (folder / f"{name}.py").is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"No script {name}.py in {EVALUATION} or {EVALUATION / 'probes'}.")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

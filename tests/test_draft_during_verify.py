@@ -1,4 +1,4 @@
-"""The overlap probe (`evaluation/draft_during_verify.py --overlap prepare`): doing accelerate's pre-forward work for
+"""The overlap probe (`evaluation/probes/draft_during_verify.py --overlap prepare`): doing accelerate's pre-forward work for
 a disk-offloaded model ahead of its forward must leave the forward's output unchanged and the weights offloaded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The in-memory replay of the offload scenario (`evaluation/offload_replay.py`): how it prices target forwards and
+"""The in-memory replay of the offload scenario (`evaluation/probes/offload_replay.py`): how it prices target forwards and
 which methods it gives the offload profile."""
 
 from __future__ import annotations

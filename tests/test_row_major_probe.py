@@ -1,4 +1,4 @@
-"""`evaluation/row_major_probe.py`: it times stock and row-major forwards of the same inputs and compares their logits."""
+"""`evaluation/probes/row_major_probe.py`: it times stock and row-major forwards of the same inputs and compares their logits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The hindsight study of tree node floors (`evaluation/tree_node_floor.py`): which nodes the target took, and what
+"""The hindsight study of tree node floors (`evaluation/probes/tree_node_floor.py`): which nodes the target took, and what
 the same trees would have accepted and cost without their unlikely nodes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`evaluation/verify_curve.py`: a target's verify widths past one token per row, and its prefill."""
+"""`evaluation/probes/verify_curve.py`: a target's verify widths past one token per row, and its prefill."""
 
 from __future__ import annotations
 

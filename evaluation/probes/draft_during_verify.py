@@ -6,11 +6,11 @@ target alone and one draft forward alone, then either
   offload folder and setting it on its module, what the module's hook would do when the verify reaches it) done in a
   second thread while the draft runs, and the verify that then finds those modules ready.
 
-    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft
-    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 3 --overlap prepare
-    python evaluation/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft --draft-threads 1
+    python evaluation/probes/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft
+    python evaluation/probes/draft_during_verify.py --verify-tokens 8 --repeats 3 --overlap prepare
+    python evaluation/probes/draft_during_verify.py --verify-tokens 8 --repeats 4 --overlap draft --draft-threads 1
 
-Prints seconds (see docs/benchmarks.md, "Offload on transformers 5.24" and "Where an offloaded step goes").
+Prints seconds (see docs/benchmarks/history.md, "Offload on transformers 5.24" and "Where an offloaded step goes").
 """
 
 from __future__ import annotations

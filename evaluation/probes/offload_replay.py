@@ -13,10 +13,10 @@ Draft forwards and the loop's own work keep their measured times (the draft is n
 time. The *counted* time leaves out every measured second: the target's offloaded prices plus the draft forwards
 counted at the profile's price of one, so it does not move with the machine's speed (it misses the loop's own work
 and the width of the draft's forwards). A run takes minutes instead of the scenario's half hour, so tree shapes and
-stops can be compared before a real run confirms the best (see docs/benchmarks.md, "A replay of the offload scenario
+stops can be compared before a real run confirms the best (see docs/benchmarks/history.md, "A replay of the offload scenario
 in memory").
 
-    python evaluation/offload_replay.py --methods hf-assisted+rowmajor,dynspec-tree:32:40,dynspec-tree@b2:32:40 \
+    python evaluation/probes/offload_replay.py --methods hf-assisted+rowmajor,dynspec-tree:32:40,dynspec-tree@b2:32:40 \
       --policy-option tree@b2.tree_branching=2 --out /tmp/replay.json
 
 Methods start from the offload scenario's policy options (`dynspec-tree` as the scenario runs it; a tagged method such
@@ -42,7 +42,7 @@ from hf_dynspec.evaluation.runner import Runner
 
 GOODPUT_METHODS = ("goodput", "tree", "hybrid", "tree-lookup")
 """Methods run by the `goodput` policy."""
-PROFILES = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+PROFILES = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 
 
 def batch1_forwards(path: Path) -> dict[int, float]:

@@ -13,7 +13,7 @@ times three forwards without a cache, stock and inside `row_major_output`, inter
 
 It checks that both give the same logits and writes the medians to `--out`:
 
-    python evaluation/row_major_probe.py --dtype float32 --out docs/benchmarks/row_major_probe_fp32.json
+    python evaluation/probes/row_major_probe.py --dtype float32 --out docs/benchmarks/row_major_probe_fp32.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ floor the tokens the same trees would have accepted without their nodes below it
 its width and each draft forward at `--draft-seconds`.
 It is hindsight: later steps stay as they were, so a floor that loses tokens looks a little better than it would run.
 
-    python evaluation/tree_node_floor.py --dataset sharegpt --floors 0,0.01,0.02,0.05 --out /tmp/floor.json
+    python evaluation/probes/tree_node_floor.py --dataset sharegpt --floors 0,0.01,0.02,0.05 --out /tmp/floor.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ CHILD_BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 RANKS = 3
 """Sibling ranks told apart in that table; the last one gathers every rank from it on."""
 PREFILL_SECONDS = 0.85
-"""An offloaded prefill of a scenario prompt without drafts (`docs/benchmarks.md`, row-major probe)."""
+"""An offloaded prefill of a scenario prompt without drafts (`docs/benchmarks/history.md`, row-major probe)."""
 
 
 @contextmanager

@@ -6,7 +6,7 @@ times, over a cache of `--context-length` tokens, the prefill of that cache at `
 forward of each of `--tokens-per-row` new tokens per row (medians after a warm-up), and prints each width's seconds
 beside what that line predicts from the narrowest one (`PiecewiseLinear`, as the policy computes it).
 
-    python evaluation/verify_curve.py --model qwen2.5-coder-1.5b@bf16 --batch-size 16 --tokens-per-row 1,2,3,4,6,8 \
+    python evaluation/probes/verify_curve.py --model qwen2.5-coder-1.5b@bf16 --batch-size 16 --tokens-per-row 1,2,3,4,6,8 \
         --context-length 600 --out verify_curve.json
 """
 
