@@ -79,3 +79,47 @@ def test_hub_page_blocks_run(namespace: dict, tmp_path: Path) -> None:
     assert ran == 3
     assert namespace["out"].shape[0] == 2
 
+
+
+REPORT = DOCS / "benchmarks.md"
+README = DOCS.parent / "README.md"
+SPEED_RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x\b")
+REPORT_LINK = re.compile(r"\(docs/benchmarks\.md#([\w-]+)\)")
+
+
+def speed_ratios(text: str) -> set[str]:
+    """Every number written as a speed ratio (`1.73x`, `2x`) in `text`."""
+    return set(SPEED_RATIO.findall(text))
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor mkdocs (and GitHub, for these headings) gives a heading: lower case, punctuation dropped, words joined
+    by hyphens."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def test_benchmark_report_reads_in_minutes() -> None:
+    """The report keeps the current run of each scenario; earlier runs belong in `docs/benchmarks/history.md`."""
+    lines = REPORT.read_text().splitlines()
+    assert len(lines) <= 400, f"docs/benchmarks.md has {len(lines)} lines; move earlier runs to the history"
+
+
+def test_speed_ratios_on_the_front_pages_are_in_the_report() -> None:
+    report = speed_ratios(REPORT.read_text())
+    for page in (README, DOCS / "index.md"):
+        missing = speed_ratios(page.read_text()) - report
+        assert not missing, f"{page.name} claims {sorted(missing)}, which docs/benchmarks.md does not show"
+
+
+def test_readme_links_into_the_report_resolve() -> None:
+    prose = re.sub(r"^```.*?^```", "", REPORT.read_text(), flags=re.DOTALL | re.MULTILINE)
+    anchors = {heading_anchor(line.lstrip("#")) for line in prose.splitlines() if line.startswith("#")}
+    links = REPORT_LINK.findall(README.read_text())
+    assert links, "README.md links its numbers to the report"
+    assert set(links) <= anchors, sorted(set(links) - anchors)
+
+
+def test_speed_ratios_are_found_as_written() -> None:
+    assert speed_ratios("1.73x plain, against 1.49x; 2x at most; 0x1f and x86 are not ratios") == {"1.73x", "1.49x", "2x"}
+    assert speed_ratios("1.551x-1.313x") == {"1.551x", "1.313x"}
+    assert "1.4x" not in speed_ratios("11.4x and 1.45x")
