@@ -5,6 +5,7 @@ Examples:
 ```
 hf-dynspec bench --scenario fixed --num-prompts 4 --batch-sizes 1,16 --out results.json --plots plots/
 hf-dynspec bench --scenario long-tail --out long_tail.json
+hf-dynspec bench --scenario rollout --out rollout.json --plots plots/
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
 hf-dynspec bench --scenario offload --out offload.json
 hf-dynspec bench --draft qwen2.5-coder-0.5b@8bit --target-dtype bfloat16 --batch-sizes 1
@@ -120,6 +121,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="Tokens of the untimed warm-up run (0: none).")
     parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
+    parser.add_argument("--samples-per-prompt", type=int,
+                        help="Rows per prompt, adjacent in the batch as TRL lays out a prompt's samples (rollout: 8).")
+    parser.add_argument("--temperature", type=float, help="Sampling temperature (rollout: 1.0).")
+    parser.add_argument("--top-p", type=float, help="Sampling top-p (rollout: 1.0).")
+    parser.add_argument("--top-k", type=int, help="Sampling top-k, 0 for none (rollout: 0).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-tokens", type=int, default=768, help="Skip longer prompts.")
     parser.add_argument("--tiny", action="store_true", help="Tiny random models and random token prompts (for CI).")
@@ -133,7 +139,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """`BenchSettings` from the scenario preset, overridden by every flag given explicitly."""
     preset = dict(SCENARIOS[args.scenario])
-    for key in ("dataset", "num_prompts", "batch_sizes", "max_new_tokens", "methods", "output_lengths", *MODEL_OPTIONS):
+    for key in ("dataset", "num_prompts", "batch_sizes", "max_new_tokens", "methods", "output_lengths",
+                "samples_per_prompt", "temperature", "top_p", "top_k", *MODEL_OPTIONS):
         value = getattr(args, key)
         if value is not None:
             preset[key] = value
@@ -146,7 +153,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         policy_options=policy_options,
         repetitions=args.repetitions,
         warmup_tokens=args.warmup_tokens,
-        do_sample=args.do_sample,
+        do_sample=args.do_sample or preset.pop("do_sample", False),
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
         prompt_offset=args.prompt_offset,
@@ -161,7 +168,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the markdown table, write JSON and plots when asked."""
     from ..evaluation.bench import run_benchmark
+    from ..evaluation.methods import NO_SPECULATION
     from ..evaluation.report import markdown_table
+    from ..evaluation.rollout import rollout_table
 
     try:
         settings = settings_from_args(args)
@@ -169,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, MethodError) as error:
         raise SystemExit(f"hf-dynspec bench: {error}") from error
     print(markdown_table(results))
+    rollout = rollout_table(results, NO_SPECULATION)
+    if rollout:
+        print(f"\n{rollout}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

@@ -34,6 +34,7 @@ from .models import (
     default_cache_dir,
     split_variant,
 )
+from .rollout import BUCKETS, bucket_seconds, median_buckets
 from .runner import TIME_FIELDS, Outcome, Runner
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -82,6 +83,21 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         # target forward fewer per call)
         target_max_memory={"cpu": "35%"},
         target_offload_folder=str(default_cache_dir() / "offload" / "target"),
+    ),
+    "rollout": dict(
+        dataset="sharegpt",
+        num_prompts=2,
+        samples_per_prompt=8,
+        batch_sizes=[16],
+        max_new_tokens=512,
+        methods="plain,dynspec-nospec,dynspec-goodput,dynspec-static:2,dynspec-prompt-lookup:4,dynspec-hybrid",
+        output_lengths="eos",
+        # an RL rollout as TRL's GRPOTrainer generates it: each prompt's samples in adjacent rows, sampled at
+        # temperature 1 over the whole vocabulary, each row ending at its own EOS (a long tail of a few long rows)
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
     ),
 }
 """Presets for the documented scenarios; explicit settings override them."""
@@ -132,6 +148,12 @@ class BenchSettings:
     """Directory for the target's weights offloaded to disk."""
     draft_max_memory: dict[int | str, str] | None = None
     draft_offload_folder: str | None = None
+    samples_per_prompt: int = 1
+    """Rows per prompt, adjacent in the batch (TRL's `num_generations` layout): `num_prompts * samples_per_prompt` rows."""
+    temperature: float | None = None
+    """Sampling settings of every call (`None`: the target's generation config decides)."""
+    top_p: float | None = None
+    top_k: int | None = None
     scenario: str | None = None
     loaded_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Filled by `load_inputs`: per model the requested and resolved dtype and the placement options used."""
@@ -139,6 +161,8 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise ValueError(f"`num_prompts` must be at least 1, got {self.num_prompts}.")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"`samples_per_prompt` must be at least 1, got {self.samples_per_prompt}.")
         if self.prompt_offset < 0:
             raise ValueError(f"`prompt_offset` must be 0 or more (prompts to skip), got {self.prompt_offset}.")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -178,7 +202,19 @@ class BenchSettings:
         return name, options.with_variant(variant)
 
     def prompts_for(self, batch_size: int) -> int:
-        return min(self.num_prompts, self.batch_size_prompts.get(batch_size, self.num_prompts))
+        """Rows run at `batch_size`: its prompts times `samples_per_prompt`."""
+        return self.samples_per_prompt * min(self.num_prompts, self.batch_size_prompts.get(batch_size, self.num_prompts))
+
+    @property
+    def sampling(self) -> dict[str, float]:
+        """The sampling settings given (`temperature`, `top_p`, `top_k`), for every sampled call."""
+        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k") if getattr(self, name) is not None}
+
+    @property
+    def records_timeline(self) -> bool:
+        """Whether runs record active rows over time: when rows of one batch end at different steps (samples of a
+        prompt, row budgets)."""
+        return self.samples_per_prompt > 1 or self.output_lengths == "long-tail"
 
 
 def long_tail_budgets(num_rows: int, max_new_tokens: int, seed: int = 0) -> list[int]:
@@ -291,7 +327,8 @@ def run_benchmark(
     variants = sorted({m.draft_variant for m in methods if m.draft_variant} - set(variant_drafts or {}))
     variant_drafts = {**(variant_drafts or {}), **load_variant_drafts(settings, variants, draft)}
     tokenizer = target_tokenizer(settings) if any(m.through_text for m in methods) and not settings.tiny else None
-    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts, tokenizer)
+    runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts, tokenizer,
+                    sampling=settings.sampling, timeline=settings.records_timeline)
     budgets = (
         long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
         if settings.output_lengths == "long-tail"
@@ -336,6 +373,10 @@ def run_benchmark(
         "config": config,
         "runs": [_run_record(m, b, measured[(m.name, b)], settings) for b in settings.batch_sizes for m in methods],
         "traces": [_trace(m, b, measured[(m.name, b)]) for b in settings.batch_sizes for m in methods if m.kind == "dynspec"],
+        "timelines": [
+            {"method": m.name, "batch_size": b, "calls": measured[(m.name, b)].outcomes[-1].timelines}
+            for b in settings.batch_sizes for m in methods if settings.records_timeline
+        ],
     }
 
 
@@ -405,8 +446,21 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
         "mismatched_tokens": None if method.name == "plain" else entry.mismatched_tokens,
         "rows_one_at_a_time": not method.batched and batch_size > 1,
         "equivalence": entry.equivalence,
+        "active_seconds": _active_seconds(entry.outcomes),
         **{name: outcome.times.get(name) if method.kind == "dynspec" else None for name in TIME_FIELDS},
     }
+
+
+def _active_seconds(outcomes: list[Outcome]) -> dict[str, float] | None:
+    """Seconds spent while 8+, 2-7 and 1 rows were active (`rollout.BUCKETS`), summed over a repetition's calls,
+    median over repetitions; `None` without timelines."""
+    if not outcomes or not outcomes[0].timelines:
+        return None
+    per_repetition = []
+    for outcome in outcomes:
+        calls = [bucket_seconds(timeline) for timeline in outcome.timelines]
+        per_repetition.append({name: sum(call[name] for call in calls) for name in BUCKETS})
+    return median_buckets(per_repetition)
 
 
 def _trace(method: Method, batch_size: int, entry: _Measured) -> dict[str, Any]:
@@ -436,7 +490,7 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     """`(target, draft, prompt token ids)` for `settings` (tiny random models and prompts when `settings.tiny`)."""
     from .data import random_token_prompts
 
-    count = max(settings.prompts_for(b) for b in settings.batch_sizes)
+    count = max(settings.prompts_for(b) for b in settings.batch_sizes) // settings.samples_per_prompt
     if settings.tiny:
         from .tiny import TINY_VOCAB, tiny_pair
 
@@ -450,13 +504,13 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
             for role, model in (("target", target), ("draft", draft))
         }
         prompts = random_token_prompts(settings.prompt_offset + count, TINY_VOCAB, seed=settings.seed)
-        return target, draft, prompts[settings.prompt_offset :]
+        return target, draft, _samples(prompts[settings.prompt_offset :], settings.samples_per_prompt)
     from .models import load_model, load_tokenizer, resolve_model
 
     target_name, target_options = settings.load_options("target")
     target_location = resolve_model(target_name)
     tokenizer = load_tokenizer(target_location)
-    prompts = prompt_ids(settings, tokenizer, count)
+    prompts = _samples(prompt_ids(settings, tokenizer, count), settings.samples_per_prompt)
     draft = None
     if need_draft and settings.draft:
         draft_name, draft_options = settings.load_options("draft")
@@ -465,6 +519,11 @@ def load_inputs(settings: BenchSettings, need_draft: bool = True):
     target = load_model(target_location, target_options)
     settings.loaded_models["target"] = target.hf_dynspec_load
     return target, draft, prompts
+
+
+def _samples(prompts: list[list[int]], copies: int) -> list[list[int]]:
+    """Each prompt `copies` times in adjacent rows (TRL's layout of a prompt's `num_generations` samples)."""
+    return [prompt for prompt in prompts for _ in range(copies)]
 
 
 def target_tokenizer(settings: BenchSettings) -> Any:

@@ -6,6 +6,7 @@
 | `hf-assisted` | transformers' assisted generation with its defaults (rows one at a time) |
 | `hf-heuristic` | the same with `num_assistant_tokens_schedule="heuristic"` |
 | `hf-prompt-lookup[:N]` | transformers' prompt lookup, `prompt_lookup_num_tokens=N` (default 10) |
+| `dynspec-nospec` | `hf_dynspec.generate` proposing nothing: the loop without speculation (rows leave as they finish) |
 | `dynspec-<policy>[:K]` | `hf_dynspec.generate` with the draft model and policy `<policy>` (at most K draft tokens) |
 | `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
 | `dynspec-hybrid[:K]` | `goodput` with the hybrid proposer: per row and step, prompt lookup or the draft model |
@@ -56,6 +57,8 @@ TEXT = "text"
 MODIFIERS = (NARROW, ROW_MAJOR, TEXT)
 """What may follow a method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels the speculative
 loop runs with, so that a baseline can have them too (`plain` and `hf-*` only), and drafting through text."""
+NO_SPECULATION = "dynspec-nospec"
+"""The loop without speculation: what dropping finished rows alone gives, against which speculation is measured."""
 DEFAULT_LOOKUP_TOKENS = 10
 DEFAULT_TREE_NODES = 12
 DEFAULT_TRIE_NODES = 10
@@ -155,6 +158,9 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     if base == "hf-prompt-lookup":
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
         return Method(name, "hf", generate_kwargs={"prompt_lookup_num_tokens": tokens})
+    if base == NO_SPECULATION and argument is None:  # a proposer that is never asked: k = 0 in every step
+        config = DynSpecConfig(num_speculative_tokens=0, policy="static")
+        return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": 1}, dynspec_config=config)
     if base == "dynspec-prompt-lookup":
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
         config = DynSpecConfig(num_speculative_tokens=tokens, policy="static")
@@ -180,7 +186,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
             settings["num_speculative_tokens"] = options["num_speculative_tokens"]  # the table's own maximum
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
-        f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], "
+        f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], {NO_SPECULATION}, "
         "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."

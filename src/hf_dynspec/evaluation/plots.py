@@ -1,4 +1,5 @@
-"""PNG plots of benchmark results: speedup over `plain` by batch size, accepted-token histogram, draft length over time."""
+"""PNG plots of benchmark results: speedup over `plain` by batch size, accepted-token histogram, draft length over time,
+and (rollouts) rows still generating over time."""
 
 from __future__ import annotations
 
@@ -74,14 +75,35 @@ def plot_draft_lengths(results: dict[str, Any], path: Path) -> Path:
 
 
 def write_plots(results: dict[str, Any], directory: str | Path) -> list[Path]:
-    """All three plots as PNG files in `directory` (created if needed)."""
+    """Every plot as a PNG file in `directory` (created if needed): speedup, acceptance, draft lengths, and active rows
+    over time when the runs recorded timelines."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return [
+    paths = [
         plot_speedup(results, directory / "speedup.png"),
         plot_acceptance(results, directory / "acceptance.png"),
         plot_draft_lengths(results, directory / "draft_length.png"),
     ]
+    if any(entry["calls"] for entry in results.get("timelines", [])):
+        paths.append(plot_active_rows(results, directory / "active_rows.png"))
+    return paths
+
+
+def plot_active_rows(results: dict[str, Any], path: Path) -> Path:
+    """Active rows (y) over seconds (x) of each method's first `generate` call of the last repetition, one step line
+    per (method, batch size): how fast each method gets through the batch and its long tail."""
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for entry in results.get("timelines", []):
+        if not entry["calls"]:
+            continue
+        seconds, rows = zip(*entry["calls"][0])
+        label = entry["method"] if len({e["batch_size"] for e in results["timelines"]}) == 1 else (
+            f"{entry['method']} @ {entry['batch_size']}")
+        axes.step(seconds, rows, where="post", label=label)
+    axes.set_xlabel("seconds since the call started")
+    axes.set_ylabel("rows still generating")
+    axes.legend(fontsize=8)
+    return _save(figure, path)
 
 
 def _save(figure: Any, path: Path) -> Path:

@@ -17,6 +17,7 @@ from ..candidates.draft_model import draft_lookahead_tokens
 from ..kernels import linear_plan, narrow_linear, row_major_output
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
+from .rollout import ActiveRowsTimeline
 
 TIME_FIELDS = ("prefill_seconds", "draft_seconds", "catchup_seconds", "verify_seconds", "overhead_seconds")
 """Where a speculative run's time goes (the loop's own totals, summed over its `generate` calls)."""
@@ -65,6 +66,8 @@ class Outcome:
     draft_lookahead: int | None = None
     """The most lookahead guess tokens a draft forward could carry (`DynSpecStats.draft_lookahead`, timed once per
     process, so it may differ between runs); None where no draft model drafted in the loop."""
+    timelines: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Per `generate` call, `(seconds since its start, active rows)` at each target forward (`Runner(timeline=True)`)."""
 
     @property
     def new_tokens(self) -> int:
@@ -80,6 +83,7 @@ class Outcome:
         self.accepted.update(other.accepted)
         self.steps.extend(other.steps)
         self.margins.extend(other.margins)
+        self.timelines.extend(other.timelines)
         for name, seconds in other.times.items():
             self.times[name] = self.times.get(name, 0.0) + seconds
         self.record_lookahead(other.draft_lookahead)
@@ -169,12 +173,19 @@ class Runner:
         seed: int = 0,
         variant_drafts: dict[str, PreTrainedModel] | None = None,
         tokenizer: Any = None,
+        sampling: dict[str, float] | None = None,
+        timeline: bool = False,
     ) -> None:
         """
         Args:
             variant_drafts: drafts for methods with a `draft_variant`, by variant (e.g. `{"4bit": model}`).
             tokenizer: the target's tokenizer, which methods that draft through text (`+text`) need.
+            sampling: `temperature`, `top_p`, `top_k` for every sampled call (instead of the target's generation
+                config's).
+            timeline: record when each target forward starts and how many rows are active (`Outcome.timelines`).
         """
+        self.sampling = dict(sampling or {}) if do_sample else {}
+        self._timeline = ActiveRowsTimeline(target) if timeline else None
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.variant_drafts = dict(variant_drafts or {})
         self.max_new_tokens, self.do_sample, self.seed = max_new_tokens, do_sample, seed
@@ -235,6 +246,8 @@ class Runner:
     def close(self) -> None:
         """Remove the forward hooks."""
         self._target_counter.remove()
+        if self._timeline is not None:
+            self._timeline.remove()
         for counter in self._draft_counters:
             counter.remove()
 
@@ -268,6 +281,7 @@ class Runner:
             do_sample=self.do_sample,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
+            **self.sampling,
             **method.generate_kwargs,
         )
         if budgets is not None:
@@ -281,9 +295,14 @@ class Runner:
         models = ((self.target, self._draft(method)) if method.uses_draft else (self.target,)) if method.row_major else ()
         with torch.inference_mode(), narrow_linear(self._linear_plan if method.narrow else 0), row_major_output(*models):
             output = self._call(method, kwargs)
-        outcome.seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        outcome.seconds += end - start
         outcome.cpu_seconds += time.process_time() - cpu_start
-        outcome.tokens.extend(trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, budgets))
+        tokens = trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, budgets)
+        outcome.tokens.extend(tokens)
+        if self._timeline is not None:  # plain `generate` computes finished rows too: count the rows still needed
+            lengths = [len(row) for row in tokens] if method.kind != "dynspec" else None
+            outcome.timelines.append(self._timeline.take(start, end, lengths))
         if recorder is not None:
             outcome.margins.extend(recorder.rows())
         stats = getattr(output, "dynspec_stats", None)

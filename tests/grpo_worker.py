@@ -1,0 +1,74 @@
+"""Run by `tests/test_clients.py` (not a test module itself): trains TRL's `GRPOTrainer` for 2 steps on tiny models with
+a draft bound by `hf_dynspec.enable`, and writes what the speculative loop did to `<out_dir>/rank<r>.json`.
+
+Usage: `python tests/grpo_worker.py <out_dir> full|lora ...` (one training run per word, a full and a LoRA target),
+alone or under `accelerate launch --num_processes 2 --cpu`; records go to `<out_dir>/<word>/rank<r>.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import perturbed, tiny_model, word_tokenizer  # noqa: E402
+
+import hf_dynspec  # noqa: E402
+from hf_dynspec import DynSpecConfig  # noqa: E402
+from hf_dynspec.loop import _Run  # noqa: E402
+
+PROMPTS = ["w5 w9 w17", "w40 w3 w8", "w7 w7 w7", "w22 w23 w11"]
+
+
+def length_reward(completions: list[str], **kwargs) -> list[float]:
+    return [float(len(completion.split())) for completion in completions]
+
+
+def train(out_dir: Path, lora: bool) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    runs: list[dict] = []
+    original = _Run.generate
+
+    def counted(self, model_kwargs):
+        output = original(self, model_kwargs)
+        runs.append({"rows": self.input_ids.shape[0], "draft_tokens": self.stats.draft_tokens,
+                     "do_sample": self.do_sample, "policy": type(self.policy).__name__})
+        return output
+
+    _Run.generate = counted
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = tiny_model("llama", seed=0, dtype=torch.float32)
+    draft = perturbed(target, scale=0.05, seed=rank).to(torch.float32)  # each rank its own draft
+    hf_dynspec.enable(target, draft, dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=3))
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trainer"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        max_steps=2, report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", bf16=False,
+        disable_tqdm=True, seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=target, reward_funcs=length_reward, args=args, processing_class=word_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), peft_config=peft_config,
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    changed = any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters() if name in before)
+    record = {"rank": rank, "runs": runs, "trained": changed, "steps": trainer.state.global_step,
+              "peft": type(trainer.model).__name__, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    _Run.generate = original
+
+
+if __name__ == "__main__":
+    for kind in sys.argv[2:]:
+        train(Path(sys.argv[1]) / kind, lora=kind == "lora")

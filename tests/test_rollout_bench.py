@@ -1,0 +1,64 @@
+"""The rollout scenario: samples of each prompt in adjacent rows, RL sampling settings, active rows over time."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_dynspec.commands.bench import add_parser, settings_from_args
+from hf_dynspec.evaluation import bench
+from hf_dynspec.evaluation.methods import NO_SPECULATION, parse_method
+from hf_dynspec.evaluation.plots import write_plots
+from hf_dynspec.evaluation.rollout import BUCKETS, bucket_seconds, rollout_table
+
+
+def test_the_preset_is_trl_s_layout_and_rl_sampling():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    settings = settings_from_args(parser.parse_args(["bench", "--scenario", "rollout"]))
+    assert settings.do_sample and settings.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert (settings.num_prompts, settings.samples_per_prompt, settings.batch_sizes) == (2, 8, [16])
+    assert settings.max_new_tokens == 512 and settings.records_timeline
+    assert NO_SPECULATION in settings.methods.split(",")
+    settings = settings_from_args(parser.parse_args(["bench", "--scenario", "rollout", "--top-k", "5",
+                                                     "--samples-per-prompt", "4", "--max-new-tokens", "256"]))
+    assert settings.sampling["top_k"] == 5 and settings.prompts_for(16) == 8 and settings.max_new_tokens == 256
+
+
+def test_the_loop_without_speculation_proposes_nothing():
+    method = parse_method(NO_SPECULATION)
+    assert method.dynspec_config.num_speculative_tokens == 0 and not method.uses_draft
+
+
+def test_buckets_split_a_timeline_by_active_rows():
+    timeline = [(0.0, 16), (1.0, 9), (1.5, 8), (2.0, 7), (4.0, 2), (5.0, 1), (8.0, 0)]
+    assert bucket_seconds(timeline) == {"8+": 2.0, "2-7": 3.0, "1": 3.0}
+
+
+def test_a_tiny_rollout_records_who_is_active_and_where_the_time_goes(tmp_path):
+    settings = bench.BenchSettings(
+        tiny=True, num_prompts=2, samples_per_prompt=3, batch_sizes=[6], max_new_tokens=12, repetitions=2,
+        warmup_tokens=0, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        methods=f"plain,{NO_SPECULATION},dynspec-static:2",
+    )
+    results = bench.run_benchmark(settings, progress=False)
+    lengths = results["config"]["prompt_lengths"]
+    assert len(lengths) == 6 and lengths[:3] == [lengths[0]] * 3 and lengths[3:] == [lengths[3]] * 3
+    timelines = {entry["method"]: entry["calls"] for entry in results["timelines"]}
+    assert set(timelines) == {"plain", NO_SPECULATION, "dynspec-static:2"}
+    for method, calls in timelines.items():
+        (timeline,) = calls  # one call of 6 rows
+        rows = [active for _, active in timeline]
+        assert rows[0] == 6 and rows[-1] == 0 and rows == sorted(rows, reverse=True), method
+        seconds = [t for t, _ in timeline]
+        assert seconds == sorted(seconds) and seconds[0] >= 0
+    runs = {run["method"]: run for run in results["runs"]}
+    for run in runs.values():
+        assert set(run["active_seconds"]) == set(BUCKETS)
+        assert sum(run["active_seconds"].values()) == pytest.approx(run["wall_s"], rel=0.5)
+    plain_forwards = len(timelines["plain"][0]) - 1
+    assert plain_forwards == runs["plain"]["target_forwards"]  # one timeline entry per forward (last repetition)
+    table = rollout_table(results, NO_SPECULATION)
+    assert all(f"| {name} |" in table for name in timelines) and f"vs {NO_SPECULATION}" in table
+    assert any(path.name == "active_rows.png" for path in write_plots(results, tmp_path))
