@@ -6,10 +6,11 @@ export PYTHON
 install:
 	bash scripts/install.sh
 
-# Main job: a short benchmark on the embedded default models (scenario 1, HumanEval, batch sizes 1 and 4).
+# Main job: a short benchmark on the embedded default models (HumanEval, 4 prompts at batch 1 and 8 at batch 4, 64 new
+# tokens, 2 repetitions: plain generate, transformers' assisted generation and the default), ending in a summary line.
 demo: install
-	$(PYTHON) -m hf_dynspec.cli bench --scenario fixed --batch-sizes 1,4 --num-prompts 4 --batch-size-prompts 1=1 \
-		--max-new-tokens 32 --repetitions 1 --methods plain,hf-assisted,dynspec-static:4,dynspec-goodput \
+	$(PYTHON) -m hf_dynspec.cli bench --scenario fixed --batch-sizes 1,4 --num-prompts 8 --batch-size-prompts 1=4 \
+		--max-new-tokens 64 --repetitions 2 --methods plain,hf-assisted,dynspec-goodput \
 		--out demo_results.json
 
 # Tests (tiny models built from configs; no downloads).

@@ -2,7 +2,7 @@
 a draft bound by `hf_dynspec.enable`, and writes what the speculative loop did to `<out_dir>/rank<r>.json`.
 
 Usage: `python tests/grpo_worker.py <out_dir> full|lora ...` (one training run per word, a full and a LoRA target),
-alone or under `accelerate launch --num_processes 2 --cpu`; records go to `<out_dir>/<word>/rank<r>.json`.
+alone or under `accelerate launch --multi_gpu --num_processes 2` on the CPU (gloo); records go to `<out_dir>/<word>/rank<r>.json`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def length_reward(completions: list[str], **kwargs) -> list[float]:
 
 
 def train(out_dir: Path, lora: bool) -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     runs: list[dict] = []
     original = _Run.generate
 
@@ -63,8 +63,9 @@ def train(out_dir: Path, lora: bool) -> None:
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     changed = any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters() if name in before)
+    rank = trainer.accelerator.process_index
     record = {"rank": rank, "runs": runs, "trained": changed, "steps": trainer.state.global_step,
-              "peft": type(trainer.model).__name__, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+              "peft": type(trainer.model).__name__, "world_size": trainer.accelerator.num_processes, "backend": trainer.accelerator.state.backend}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     _Run.generate = original
 

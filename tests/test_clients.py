@@ -45,11 +45,14 @@ def test_grpo_trains_with_a_bound_draft_and_with_a_lora_target(tmp_path):
 
 
 def test_grpo_under_accelerate_launch_on_two_processes(tmp_path):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+    # `--multi_gpu` is accelerate's torch.distributed launcher; on a machine without GPUs (and `use_cpu=True`) the
+    # processes join a gloo group (`--cpu` would launch a single process)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(WORKER), str(tmp_path), "full"]
     records = _run(command, tmp_path)["full"]
-    assert [r["rank"] for r in records] == [0, 1] and all(r["world_size"] == 2 for r in records)
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
     for record in records:
         _check_rollouts(record)
 

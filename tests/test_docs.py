@@ -81,6 +81,16 @@ def test_hub_page_blocks_run(namespace: dict, tmp_path: Path) -> None:
 
 
 
+def test_rollouts_page_blocks_run(namespace: dict) -> None:
+    """TRL's GRPOTrainer (a bound draft, then a LoRA target) and lm-evaluation-harness, as the page writes them."""
+    ran = run_page("rollouts.md", namespace)
+    assert ran == 3
+    assert namespace["trainer"].state.global_step == 2
+    assert type(namespace["trainer"].model).__name__ == "PeftModelForCausalLM"
+    assert len(namespace["completions"]) == 2
+    assert getattr(namespace["model"], "_dynspec_binding", None) is None  # every block ends with disable
+
+
 REPORT = DOCS / "benchmarks.md"
 README = DOCS.parent / "README.md"
 SPEED_RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x\b")

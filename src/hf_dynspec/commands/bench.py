@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the markdown table, write JSON and plots when asked."""
     from ..evaluation.bench import run_benchmark
     from ..evaluation.methods import NO_SPECULATION
-    from ..evaluation.report import markdown_table
+    from ..evaluation.report import markdown_table, summary_line
     from ..evaluation.rollout import rollout_table
 
     try:
@@ -181,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     rollout = rollout_table(results, NO_SPECULATION)
     if rollout:
         print(f"\n{rollout}")
+    summary = summary_line(results)
+    if summary:
+        print(f"\n{summary}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

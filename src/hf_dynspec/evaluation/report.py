@@ -105,3 +105,24 @@ def time_table(results: dict[str, Any]) -> str:
         lines.append(f"| {run['batch_size']} | {run['method']} | {cells} | "
                      f"{'–' if share is None else f'{100 * share:.1f}%'} |")
     return "\n".join(lines)
+
+
+def summary_line(results: dict[str, Any]) -> str:
+    """One sentence for a newcomer: the default's speedup over plain `generate` at each batch size, and transformers'
+    assisted generation's (`hf-assisted`) beside it, when both ran; empty otherwise."""
+    speedups = speedup_table(results)
+    default = speedups.get(DEFAULT_METHOD)
+    if not default:
+        return ""
+    sizes = sorted(default)
+    ours = ", ".join(f"{default[b]:.2f}x at batch {b}" for b in sizes)
+    line = f"Summary: the default ({DEFAULT_METHOD}) ran at {ours} the speed of plain generate"
+    assisted = speedups.get("hf-assisted")
+    if assisted:
+        theirs = ", ".join(f"{assisted[b]:.2f}x at batch {b}" for b in sorted(assisted))
+        line += f"; transformers' assisted generation at {theirs}"
+    config = results.get("config", {})
+    dtype = config.get("loaded_models", {}).get("target", {}).get("dtype")
+    where = ", ".join(str(v) for v in (results.get("machine", {}).get("cpu"), dtype) if v)
+    repetitions = config.get("repetitions")
+    return line + (f" ({where}; medians of {repetitions} repetitions)." if where else ".")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -321,7 +323,8 @@ class Runner:
             saved = draft.generation_config
             draft.generation_config = self._draft_config(method)
             try:
-                return self.target.generate(assistant_model=draft, **kwargs)
+                with _without_assistant_deprecation():
+                    return self.target.generate(assistant_model=draft, **kwargs)
             finally:
                 draft.generation_config = saved
         import hf_dynspec
@@ -377,6 +380,25 @@ class Runner:
                     "overhead_seconds": getattr(step, "overhead_seconds", None),
                 }
             )
+
+
+class _AssistantDeprecationFilter(logging.Filter):
+    """Drops the deprecation warning transformers' assisted generation triggers itself: its candidate generator calls
+    the assistant's `generate` with a `generation_config` and generation arguments together (no call of ours does)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Passing `generation_config` together with generation-related")
+
+
+@contextlib.contextmanager
+def _without_assistant_deprecation():
+    logger = logging.getLogger("transformers.generation.utils")
+    dropped = _AssistantDeprecationFilter()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
 
 
 def _first(value: int | list[int] | None) -> int:
