@@ -1,7 +1,8 @@
 """The benchmark: every method on the same prompts, interleaved, warmed up, repeated; compared with `plain`.
 
 `run_benchmark(settings)` returns the `results.json` dict:
-`{"machine": {...}, "config": {...}, "runs": [...], "traces": [...]}` where each run is one (method, batch size) with
+`{"machine": {...}, "config": {...}, "runs": [...], "traces": [...]}` (and `"timelines"` where rows of a batch end
+at different steps: samples of a prompt, row budgets) where each run is one (method, batch size) with
 median timings over the repetitions (`wall_s`: for every batch of prompts the median over repetitions, summed over
 the batches), and each trace holds the per-step records of a speculative-loop run (last repetition) for plots.
 """
@@ -368,16 +369,18 @@ def run_benchmark(
     plans = {role: linear_plan(m, "auto") for role, m in (("target", target), ("draft", draft)) if m}
     config["narrow_rows"] = {role: plan.narrow_rows for role, plan in plans.items()}
     config["linear_plans"] = {role: plan.to_dict() for role, plan in plans.items()}
-    return {
+    results = {
         "machine": machine_description(),
         "config": config,
         "runs": [_run_record(m, b, measured[(m.name, b)], settings) for b in settings.batch_sizes for m in methods],
         "traces": [_trace(m, b, measured[(m.name, b)]) for b in settings.batch_sizes for m in methods if m.kind == "dynspec"],
-        "timelines": [
-            {"method": m.name, "batch_size": b, "calls": measured[(m.name, b)].outcomes[-1].timelines}
-            for b in settings.batch_sizes for m in methods if settings.records_timeline
-        ],
     }
+    if settings.records_timeline:  # per method, each call's active rows over time (last repetition)
+        results["timelines"] = [
+            {"method": m.name, "batch_size": b, "calls": measured[(m.name, b)].outcomes[-1].timelines}
+            for b in settings.batch_sizes for m in methods
+        ]
+    return results
 
 
 def _rotated(methods: list[Method], shift: int) -> list[Method]:
