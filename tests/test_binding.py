@@ -173,3 +173,18 @@ def test_a_pipeline_of_four_rows_speculates_with_the_draft_and_matches_plain(pai
     hf_dynspec.enable(target, draft)
     assert generator(prompts, **kwargs) == expected
     assert len(loop_runs) == 2
+
+
+def test_a_deep_copy_of_an_enabled_model_generates_with_the_copy(pair, inputs):
+    """Trainers copy models (a reference model); the copy's `generate` must run the copy, not the original."""
+    import copy
+
+    target, draft = pair
+    hf_dynspec.enable(target, draft, dynspec_config=STATIC)
+    twin = copy.deepcopy(target)
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    expected = hf_dynspec.disable(copy.deepcopy(twin)).generate(**inputs, do_sample=False, max_new_tokens=10)
+    assert torch.equal(twin.generate(**inputs, do_sample=False, max_new_tokens=10), expected)
+    assert not torch.equal(target.generate(**inputs, do_sample=False, max_new_tokens=10), expected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,18 +176,18 @@ def enable(
 
 
 def _wrap_generate(target: PreTrainedModel) -> None:
-    """Replace `target.generate` (this object only) with one that consults the model's binding."""
-    original = target.generate
+    """Replace `target.generate` (this object only) with one that consults the model's binding. It is a method bound
+    to `target`, so a `copy.deepcopy` of the model (a trainer's reference model) generates with the copy."""
+    target._dynspec_original_generate = target.generate
+    target.generate = types.MethodType(_dynspec_generate, target)
 
-    @functools.wraps(original)
-    def dynspec_generate(*args, **kwargs):
-        bound = target._dynspec_binding.call_kwargs(target, kwargs)
-        if _wants_speculation(target, bound):
-            return generate(target, *args, **bound)
-        return original(*args, **kwargs)
 
-    target._dynspec_original_generate = original
-    target.generate = dynspec_generate
+def _dynspec_generate(self: PreTrainedModel, *args, **kwargs):
+    """`generate` of an enabled model: the loop when the call (or the binding) brings a proposer, else the original."""
+    bound = self._dynspec_binding.call_kwargs(self, kwargs)
+    if _wants_speculation(self, bound):
+        return generate(self, *args, **bound)
+    return self._dynspec_original_generate(*args, **kwargs)
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
