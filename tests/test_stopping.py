@@ -60,12 +60,17 @@ def _common_token(output: torch.Tensor, width: int) -> int:
 CASES = [(seed, lengths) for seed, lengths in enumerate([[5, 9, 3], [7], [4, 4, 4, 4], [12, 2, 6, 8, 3], [3, 11]])]
 
 
-@pytest.mark.parametrize(("seed", "lengths"), CASES)
-def test_a_stateful_per_row_criterion_sees_plain_generate_s_calls(seed, lengths):
+def _case(seed: int, lengths: list[int]):
+    """The pair, the prompts (`input_ids`, `attention_mask`) and a token plain greedy decoding generates often."""
     target, draft = _pair(seed)
     ids, mask = left_padded_prompts(lengths, seed=seed)
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    token = _common_token(plain, ids.shape[1])
+    return target, draft, ids, mask, _common_token(plain, ids.shape[1])
+
+
+@pytest.mark.parametrize(("seed", "lengths"), CASES)
+def test_a_stateful_per_row_criterion_sees_plain_generate_s_calls(seed, lengths):
+    target, draft, ids, mask, token = _case(seed, lengths)
     limits = [1 + (row + seed) % 3 for row in range(len(lengths))]
     expected_stop, our_stop = CountingStop(token, limits), CountingStop(token, limits)
     expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30,
@@ -84,10 +89,7 @@ def test_a_stateful_per_row_criterion_sees_plain_generate_s_calls(seed, lengths)
 @pytest.mark.parametrize(("seed", "lengths"), CASES)
 def test_a_whole_batch_criterion_with_per_row_state_matches_plain(seed, lengths):
     """Rows the criterion counts as done go on, as in plain `generate`, until every row is done."""
-    target, draft = _pair(seed)
-    ids, mask = left_padded_prompts(lengths, seed=seed)
-    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    token = _common_token(plain, ids.shape[1])
+    target, draft, ids, mask, token = _case(seed, lengths)
     criteria = lambda: StoppingCriteriaList([AllRowsSawToken(token, len(lengths), ids.shape[1])])  # noqa: E731
     expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30,
                                stopping_criteria=criteria())
