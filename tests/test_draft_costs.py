@@ -23,11 +23,11 @@ def test_weight_bytes_count_the_linear_layers_and_not_the_embedding(costs):
 
 def test_product_share_is_a_share_that_a_big_product_dominates(costs):
     model = tiny_model("llama", seed=0)
-    small = costs.product_share(model, tokens=1, context=8, repeats=2)  # a tiny forward: mostly small operators
+    share = costs.product_share(model, tokens=1, context=8, repeats=2)
+    assert 0.0 < share < 0.5  # a tiny model's forward is mostly small operators
     head = model.lm_head  # an output layer of 400 000 rows: one product outweighs all the rest
     model.lm_head = torch.nn.Linear(head.in_features, 400_000, bias=False, dtype=head.weight.dtype)
-    big = costs.product_share(model, tokens=1, context=8, repeats=2)
-    assert 0.0 < small < big < 1.0 and big > 0.7  # relative, so that a loaded machine's noise cannot flip it
+    assert costs.product_share(model, tokens=1, context=8, repeats=2) > 0.7
 
 
 def test_measure_reports_eager_and_compiled_rows(costs, monkeypatch):
