@@ -13,7 +13,7 @@ from .kernels import NARROW_LINEAR
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
-PROPOSERS = ("auto", "hybrid")
+PROPOSERS = ("auto", "hybrid", "suffix")
 """Values of `DynSpecConfig.proposer`."""
 TREE_STOP_JUDGES = ("best", "tree")
 """What a policy's early stop judges at each depth of a draft-model tree (`DynSpecConfig.tree_stop_judges`)."""
@@ -56,7 +56,10 @@ class DynSpecConfig:
     proposer: str = field(
         default="auto",
         metadata={"help": "Where draft tokens come from: 'auto' (the assistant model if one is given, else prompt "
-                  "lookup), 'hybrid' (per row and step, prompt lookup or the assistant model, as the policy decides)."},
+                  "lookup), 'hybrid' (per row and step, prompt lookup or the assistant model, as the policy decides), "
+                  "'suffix' (suffix trees over the row's prompt, every output of the call so far and the outputs of "
+                  "earlier calls, `hf_dynspec.candidates.suffix`; with an assistant model, per row and step the suffix "
+                  "proposal or the model, as the policy decides). 'suffix' needs the `suffix` extra."},
     )
     tree_node_budget: int = field(
         default=0,
@@ -94,6 +97,30 @@ class DynSpecConfig:
         metadata={"help": "Most tokens a row may propose in one step from prompt lookup: a hybrid proposer's lookup "
                   "rows, and draft tokens that lookahead yields past the row's length. They cost no draft forward, "
                   "only verify width; `num_speculative_tokens` caps the tokens each drafted with a forward of its own."},
+    )
+    suffix_max_depth: int = field(
+        default=24,
+        metadata={"help": "Suffix proposer: longest match of a row's end in the suffix trees (their depth)."},
+    )
+    suffix_cache_outputs: int = field(
+        default=256,
+        metadata={"help": "Suffix proposer: outputs its global suffix tree keeps, those of running rows included "
+                  "(oldest out first): at least the batch size, so rows of one call see each other's outputs, and "
+                  "what is left over serves later calls of the same target model."},
+    )
+    suffix_cache_tokens: int = field(
+        default=262144,
+        metadata={"help": "Suffix proposer: tokens of those outputs kept, at most (oldest out first); a suffix tree "
+                  "takes on the order of `suffix_max_depth` nodes per token."},
+    )
+    suffix_min_token_probability: float = field(
+        default=0.1,
+        metadata={"help": "Suffix proposer: a token is proposed only if it followed its path at least this often "
+                  "(its estimated probability)."},
+    )
+    suffix_spec_factor: float = field(
+        default=1.0,
+        metadata={"help": "Suffix proposer: a row proposes at most this many tokens per token of its match."},
     )
     draft_lookahead: int = field(
         default=8,
@@ -159,6 +186,11 @@ class DynSpecConfig:
         self._check_int("prompt_lookup_min_ngram", minimum=1)
         self._check_int("prompt_lookup_max_tokens", minimum=1)
         self._check_int("draft_lookahead", minimum=0)
+        self._check_int("suffix_max_depth", minimum=1)
+        self._check_int("suffix_cache_outputs", minimum=1)
+        self._check_int("suffix_cache_tokens", minimum=1)
+        self._check_number("suffix_min_token_probability", 0.0, 1.0)
+        self._check_number("suffix_spec_factor", 0.0, float("inf"))
         self._check_int("compact_min_holes", minimum=1)
         cost = self.draft_lookahead_max_cost
         if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 1.0):
@@ -201,6 +233,11 @@ class DynSpecConfig:
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+
+    def _check_number(self, name: str, low: float, high: float) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ValueError(f"`{name}` must be a number in [{low}, {high}], got {value!r}.")
 
     def _check_choice(self, name: str, choices: tuple) -> None:
         value = getattr(self, name)

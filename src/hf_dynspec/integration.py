@@ -118,8 +118,19 @@ def _loop_serves(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
     return (_setting(model, kwargs, "num_return_sequences") or 1) == 1 or bool(_setting(model, kwargs, "do_sample"))
 
 
+def _proposes_from_suffixes(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
+    """Whether the call's loop settings (its `dynspec_config`, else its generation config's) name the suffix
+    proposer, which needs no assistant model or `prompt_lookup_num_tokens`."""
+    value = kwargs.get("dynspec_config")
+    if value is None:
+        value = DynSpecConfig.from_generation_config(kwargs.get("generation_config") or model.generation_config)
+    return value is not None and DynSpecConfig.coerce(value).proposer == "suffix"
+
+
 def _wants_speculation(model: PreTrainedModel, kwargs: dict) -> bool:
-    return kwargs.get("custom_generate") is None and _brings_proposer(model, kwargs)
+    if kwargs.get("custom_generate") is not None:
+        return False
+    return _brings_proposer(model, kwargs) or (_proposes_from_suffixes(model, kwargs) and _loop_serves(model, kwargs))
 
 
 def enable(
@@ -132,8 +143,9 @@ def enable(
 ) -> PreTrainedModel:
     """Route `model.generate` through hf_dynspec, optionally with a draft bound to the model.
 
-    Without `assistant_model`, calls that bring a proposer (`assistant_model=draft` or `prompt_lookup_num_tokens=n`)
-    speculate and every other call runs transformers' original `generate`. With it, every later call that brings no
+    Without `assistant_model`, calls that bring a proposer (`assistant_model=draft` or `prompt_lookup_num_tokens=n`,
+    or a `dynspec_config` bound or given with `proposer='suffix'`) speculate and every other call runs transformers'
+    original `generate`. With it, every later call that brings no
     proposer of its own speculates with the bound draft, so callers that pass only a `GenerationConfig` (TRL's
     trainers, lm-evaluation-harness, pipelines) speculate too. A call's own `assistant_model`,
     `prompt_lookup_num_tokens` or `dynspec_config` wins over what is bound; calls the loop cannot serve (beam search,

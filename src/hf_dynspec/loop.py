@@ -28,6 +28,7 @@ from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
 from .candidates.hybrid import HybridProposer
 from .candidates.prompt_lookup import PromptLookupProposer
+from .candidates.suffix import SuffixCache, SuffixProposer, SuffixSettings, suffix_cache_for
 from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
@@ -99,7 +100,7 @@ def speculative_loop(
     translation = _translation(assistant_model, tokenizer, assistant_tokenizer, config)
     validate_inputs(
         model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer,
-        same_vocabulary=translation is None,
+        same_vocabulary=translation is None, suffix=config.proposer == "suffix",
     )
     run = _Run(
         model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config, translation
@@ -141,7 +142,8 @@ class _Run:
         self.criteria = LockstepCriteria(batch_criteria, input_ids, self.pad_id) if batch_criteria else None
         self.proposer = self._make_proposer(draft)
         self.max_draft = self._max_draft_tokens()
-        self.max_free = self.config.prompt_lookup_max_tokens if isinstance(self.proposer, HybridProposer) else self.max_draft
+        free = isinstance(self.proposer, (HybridProposer, SuffixProposer))
+        self.max_free = self.config.prompt_lookup_max_tokens if free else self.max_draft
         num_rows, width = input_ids.shape
         self.max_new_tokens = generation_config.max_length - width
         # [rows, width + capacity] each row's tokens once it finishes; grows with the batch's buffer (`TokenBatch`)
@@ -160,11 +162,15 @@ class _Run:
         }
 
     def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
-        if self.config.proposer == "hybrid" and self.config.tree_node_budget:
+        mixed = self.config.proposer == "hybrid" or (self.config.proposer == "suffix" and draft is not None)
+        if mixed and self.config.tree_node_budget:
             raise ValueError(
-                "DynSpecConfig(proposer='hybrid') proposes chains; set `tree_node_budget=0`, or keep the tree and use "
-                "proposer='auto' (a draft-model tree with `assistant_model`, a prompt-lookup trie without)."
+                f"DynSpecConfig(proposer={self.config.proposer!r}) with an assistant model proposes chains; set "
+                "`tree_node_budget=0`, or keep the tree and use proposer='auto' (a draft-model tree with "
+                "`assistant_model`, a prompt-lookup trie without) or proposer='suffix' without an assistant model."
             )
+        if self.config.proposer == "suffix" and draft is None:
+            return SuffixProposer(self._suffix_cache(), self.config.prompt_lookup_max_tokens)
         if draft is None:
             if self.config.proposer == "hybrid":
                 raise ValueError(
@@ -181,9 +187,20 @@ class _Run:
                 branching=self.config.tree_branching,
             )
         model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
-        if self.config.proposer == "hybrid" and self.config.num_speculative_tokens > 0:
-            return HybridProposer(model, self._lookup_proposer(self.config.prompt_lookup_max_tokens))
+        if mixed and self.config.num_speculative_tokens > 0:
+            free_tokens = self.config.prompt_lookup_max_tokens
+            if self.config.proposer == "suffix":
+                return HybridProposer(model, SuffixProposer(self._suffix_cache(), free_tokens))
+            return HybridProposer(model, self._lookup_proposer(free_tokens))
         return model
+
+    def _suffix_cache(self) -> SuffixCache:
+        c = self.config
+        settings = SuffixSettings(
+            c.suffix_max_depth, c.suffix_cache_outputs, c.suffix_cache_tokens, c.suffix_min_token_probability,
+            c.suffix_spec_factor,
+        )
+        return suffix_cache_for(self.model, settings)
 
     def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
         kind = LookupTreeProposer if self.config.tree_node_budget else PromptLookupProposer
@@ -519,6 +536,7 @@ class _Run:
             return batch
         done = finished.nonzero().squeeze(1)
         rows = batch.row_ids[done]
+        self.proposer.finish_rows(batch, done)
         if batch.tokens.shape[1] > self.output.shape[1]:
             self.output = widen(self.output, batch.tokens.shape[1] - self.output.shape[1], self.pad_id)
         self.output[rows, : batch.tokens.shape[1]] = batch.tokens[done]
@@ -598,7 +616,7 @@ def _translation(
             "`assistant_tokenizer` drafts with a model that has another tokenizer: pass the draft as `assistant_model` "
             "and the target's tokenizer as `tokenizer` too."
         )
-    if config.tree_node_budget or config.proposer == "hybrid":
+    if config.tree_node_budget or config.proposer in ("hybrid", "suffix"):
         raise ValueError(
             "A draft with another tokenizer proposes chains only: set `tree_node_budget=0` and proposer='auto' "
             "in the DynSpecConfig."

@@ -60,8 +60,8 @@ class Proposal:
 class BatchedProposer(ABC):
     """A proposer the batched loop drives: it proposes per-row draft tokens and tracks what it has seen.
 
-    Lifecycle in one `generate` call: `start` once, then per step `propose` -> `commit`, and `select_rows` whenever
-    finished rows leave the batch.
+    Lifecycle in one `generate` call: `start` once, then per step `propose` -> `commit`, and `finish_rows` ->
+    `select_rows` whenever finished rows leave the batch.
     """
 
     #: proposer counts its own model forwards here (0 for model-free proposers)
@@ -120,6 +120,10 @@ class BatchedProposer(ABC):
             kept: `[batch, 1 + max_length]` per node of the proposal's tree (node 0 the root, node `i + 1` draft token
                 `i`): True on the root and the accepted path.
         """
+
+    def finish_rows(self, batch: TokenBatch, done: torch.LongTensor) -> None:
+        """Rows at indices `done` (`[finished]`) of `batch` finished with the tokens they hold; `select_rows` follows
+        when any row keeps running."""
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         """Keep only the rows at indices `keep` (finished rows leave the batch)."""

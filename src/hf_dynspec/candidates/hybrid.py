@@ -1,4 +1,4 @@
-"""A hybrid proposer: per row and step, draft tokens from prompt lookup (free) or from the draft model.
+"""A hybrid proposer: per row and step, draft tokens from prompt lookup or suffix trees (free) or from the draft model.
 
 Code edits and chat about code copy long spans of their context, which prompt lookup proposes at no model cost; text
 that is new needs the draft model. The policy decides per row which source serves it (`DraftLengthPolicy.free_rows`,
@@ -37,6 +37,7 @@ class HybridProposer(BatchedProposer):
 
     def start(self, batch: TokenBatch) -> None:
         self.draft.start(batch)
+        self.lookup.start(batch)
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
         return self.draft.backlog(batch)
@@ -82,11 +83,17 @@ class HybridProposer(BatchedProposer):
             self.draft.commit(batch, self._draft_proposal, kept & ~self.last_free_rows.unsqueeze(1))
             self._draft_proposal = None
 
+    def finish_rows(self, batch: TokenBatch, done: torch.LongTensor) -> None:
+        self.draft.finish_rows(batch, done)
+        self.lookup.finish_rows(batch, done)
+
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.draft.select_rows(keep)
+        self.lookup.select_rows(keep)
 
     def release(self) -> None:
         self.draft.release()
+        self.lookup.release()
 
     def _merge(self, looked_up: Proposal, free_rows: torch.BoolTensor) -> Proposal:
         """One placeholder-padded proposal: lookup rows from `looked_up`, the others from the draft's proposal."""

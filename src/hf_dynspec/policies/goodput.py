@@ -307,7 +307,9 @@ class GoodputPolicy(DraftLengthPolicy):
     Whatever the choice, a step that drafts runs only when `LossBudget.allows` it (see `hf_dynspec.budget`).
 
     With a hybrid proposer (`PolicyInput.free_lengths`), three vectors compete: prompt lookup alone (no draft forward),
-    the draft model for every row, and each row's better source; `free_rows` reports the winner's lookup rows.
+    the draft model for every row, and each row's better source; `free_rows` reports the winner's lookup rows. A
+    model-free proposer that says what it offers (suffix trees: `free_lengths` without a `backlog`) is sized as
+    lookup alone.
 
     `last_exploration` is the length the cost model asked to measure at the last step (`None`: the step was chosen
     by the search); `last_blocked` is true when the loss budget shortened the step's drafts (to none, at worst).
@@ -723,14 +725,18 @@ class GoodputPolicy(DraftLengthPolicy):
         # the fewer, longer steps of a long one). Whether it may be paid at all is the loss budget's question.
         share = catchup / max(1.0, float(request.remaining_tokens.sum()))
         model = costs or self.cost_model
-        lengths = best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share)
         if request.free_lengths is None:
-            return lengths, None
+            return best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share), None
         by_lookup = self._lookup_estimate(rows, z if optimistic else None)
         # Lookup tokens cost no draft forward, so they are not held to the draft model's cap: only to what the
         # lookup offers (at most `prompt_lookup_max_tokens`) and to the row's remaining tokens.
         room = (request.remaining_tokens.cpu() - 1).clamp(min=0)
         lookup_caps = torch.minimum(room, request.free_lengths.cpu())  # [batch]
+        if request.backlog is None:  # a model-free proposer (suffix trees): what it offers is the only source
+            longest = int(lookup_caps.max()) if lookup_caps.numel() else 0
+            alone = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(model), self.settings.min_gain)
+            return alone, alone > 0
+        lengths = best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share)
         if self.settings.copy_anchor:
             # Only copies are worth a verify of their own: the draft's lookahead already feeds every other row's
             # continuation along its forward, and keeps what the draft agrees with.

@@ -1,0 +1,262 @@
+"""Suffix speculation: continue each row from everything already written, its own context and every other output.
+
+SuffixDecoding (arXiv 2411.04975) matches the end of a row against suffix trees: one per request over its prompt and
+output, and one global tree over outputs. The matched path's continuations, weighted by how often each followed it,
+form the proposal: a chain, or a token tree of the most frequent branches. Workloads that repeat themselves gain most:
+a GRPO group samples one prompt G times (the siblings' outputs so far predict each other), RL revisits its prompts
+every epoch, agents repeat tool calls, code edits copy their input.
+
+The suffix trees are arctic-inference's (`arctic_inference.suffix_decoding.SuffixDecodingCache`, the implementation
+vLLM's `method: "suffix"` uses), installed with the `suffix` extra. Each row of a `generate` call is one request:
+its prompt goes into the request's own tree, its output into the global tree as it is generated, so rows generated
+together (sibling samples of one prompt) see each other's outputs while they are written, and later calls see them
+all. `SuffixCache` adds what that cache does not bound: the global tree's total tokens. A cache persists across
+calls per target model (`suffix_cache_for`), as the goodput policy does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..sequences import TokenBatch
+from .base import EarlyStop, Proposal
+from .prompt_lookup import PromptLookupProposer
+from .tree import TokenTree
+
+INSTALL_HINT = (
+    "The suffix proposer needs arctic-inference's suffix trees: `pip install 'hf_dynspec[suffix]'` (it builds from "
+    "source in a few minutes; without build isolation, first `pip install cmake ninja nanobind==2.9.2 grpcio-tools "
+    "protobuf` and pass `--no-build-isolation`)."
+)
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """What bounds a `SuffixCache` and shapes its proposals (from `DynSpecConfig`'s `suffix_*` fields)."""
+
+    max_depth: int = 24  # longest match (and suffix-tree depth)
+    max_outputs: int = 256  # outputs the global tree keeps, oldest out first
+    max_tokens: int = 262144  # tokens of those outputs, oldest out first
+    min_token_probability: float = 0.1  # a proposed token's estimated probability given its path, at least
+    max_spec_factor: float = 1.0  # a proposal has at most this many tokens per matched token
+
+
+def _arctic():
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return SuffixDecodingCache
+
+
+class SuffixCache:
+    """Suffix trees over prompts (per active request) and outputs (global, bounded), kept across `generate` calls.
+
+    Bounded by outputs (arctic-inference evicts the oldest when a request starts past `max_outputs`) and by tokens
+    (this class evicts the oldest outputs while the global tree holds more than `max_tokens`).
+    """
+
+    def __init__(self, settings: SuffixSettings | None = None) -> None:
+        self.settings = settings or SuffixSettings()
+        self.trees = _arctic()(max_tree_depth=self.settings.max_depth, max_cached_requests=self.settings.max_outputs)
+        self._ids = itertools.count()
+        self._sizes: dict[int, int] = {}  # request id -> its output's tokens in the global tree, oldest first
+
+    @property
+    def num_outputs(self) -> int:
+        """Outputs the global tree holds (those of running requests included)."""
+        return len(self.trees.cached_requests)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of those outputs."""
+        return sum(self._sizes.values())
+
+    def start(self, prompt: Sequence[int]) -> int:
+        """Begin a request on `prompt`; returns its id."""
+        request = next(self._ids)
+        self.trees.start_request(request, list(prompt))
+        self._sizes[request] = 0
+        self._forget_evicted()
+        return request
+
+    def extend(self, request: int, tokens: Sequence[int]) -> None:
+        """Append `tokens` to the request's output (visible to every request's proposals from now on)."""
+        self.trees.add_active_response(request, list(tokens))
+        if request in self._sizes:
+            self._sizes[request] += len(tokens)
+        while self.num_tokens > self.settings.max_tokens and len(self._sizes) > 1:
+            oldest = next(iter(self._sizes))
+            self.trees.evict_cached_response(oldest)
+            del self._sizes[oldest]
+
+    def stop(self, request: int) -> None:
+        """End a request: its prompt is dropped, its output stays in the global tree until evicted."""
+        if request in self.trees.active_requests:
+            self.trees.stop_request(request)
+
+    def speculate(self, request: int, context: Sequence[int], max_tokens: int, tree: bool):
+        """arctic-inference's proposal (`SuffixDecodingDraft`: `token_ids`, `parents`, `probs`, `match_len`) for a row
+        whose last tokens are `context`: at most `max_tokens` tokens, a tree when `tree`."""
+        s = self.settings
+        return self.trees.speculate(
+            request, list(context)[-s.max_depth :], max_tokens, s.max_spec_factor, 0.0, s.min_token_probability, tree
+        )
+
+    def clear(self) -> None:
+        """Forget every finished output (running requests keep theirs)."""
+        for request in [r for r in self._sizes if r not in self.trees.active_requests]:
+            self.trees.evict_cached_response(request)
+            del self._sizes[request]
+
+    def _forget_evicted(self) -> None:
+        cached = self.trees.cached_requests
+        for request in [r for r in self._sizes if r not in cached]:
+            del self._sizes[request]
+
+
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per target model: its suffix caches by settings, so later calls (the next RL epoch, a service's next request) find
+the continuations of earlier ones."""
+
+
+def suffix_cache_for(model: object, settings: SuffixSettings | None = None) -> SuffixCache:
+    """The suffix cache `generate` calls on `model` with these settings share (made on first use)."""
+    settings = settings or SuffixSettings()
+    caches = _CACHES.setdefault(model, {})
+    if settings not in caches:
+        caches[settings] = SuffixCache(settings)
+    return caches[settings]
+
+
+class SuffixProposer(PromptLookupProposer):
+    """Suffix speculation for every row of a batch: chains (prompt lookup's interface, so `HybridProposer` takes it
+    where it takes prompt lookup), or token trees under `node_budgets`.
+
+    Proposed deterministically (`Proposal.probs` is `None`): the sampling verifier treats every token as a fixed
+    proposal, so sampling stays exact. A row's anchor (`free_anchors`) is its match length.
+    """
+
+    def __init__(self, cache: SuffixCache, num_output_tokens: int = 10) -> None:
+        super().__init__(num_output_tokens=num_output_tokens)
+        self.cache = cache
+        self._requests: list[int] = []  # the cache's request id of each active row
+        self._written: list[int] = []  # tokens of each active row the cache has
+        self._offer: tuple[list[torch.LongTensor], torch.LongTensor] | None = None  # this step's `free_lengths`
+
+    # ---- the call's requests -----------------------------------------------------------------------------------------
+    def start(self, batch: TokenBatch) -> None:
+        super().start(batch)
+        self.release()
+        rows = [batch.real_tokens(row) for row in range(batch.batch_size)]
+        self._requests = [self.cache.start(tokens.tolist()) for tokens in rows]
+        self._written = [int(tokens.shape[0]) for tokens in rows]
+
+    def finish_rows(self, batch: TokenBatch, done: torch.LongTensor) -> None:
+        self._write(batch, done.tolist())
+        for row in done.tolist():
+            self.cache.stop(self._requests[row])
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        self._requests = [self._requests[row] for row in keep.tolist()]
+        self._written = [self._written[row] for row in keep.tolist()]
+
+    def release(self) -> None:
+        for request in self._requests:
+            self.cache.stop(request)
+        self._requests, self._written = [], []
+
+    def _write(self, batch: TokenBatch, rows: Sequence[int]) -> None:
+        """Hand the cache each row's tokens it has not seen yet."""
+        for row in rows:
+            tokens = batch.real_tokens(row)
+            if tokens.shape[0] > self._written[row]:
+                self.cache.extend(self._requests[row], tokens[self._written[row] :].tolist())
+                self._written[row] = int(tokens.shape[0])
+
+    # ---- proposals ---------------------------------------------------------------------------------------------------
+    def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
+        full = torch.full((batch.batch_size,), max_length, dtype=torch.long, device=batch.tokens.device)
+        self._offer = self.matches(batch, full)
+        return torch.tensor([f.shape[0] for f in self._offer[0]], dtype=torch.long, device=batch.tokens.device)
+
+    def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
+        if self._offer is None or self._offer[1].shape[0] != batch.batch_size:
+            raise RuntimeError("`free_anchors` describes the continuations of `free_lengths`: call that first.")
+        return self._offer[1]
+
+    def matches(
+        self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
+    ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
+        """Each row's suffix-tree chain (`[found]`, up to `lengths[b]` tokens) and its `[batch]` match lengths."""
+        self._write(batch, range(batch.batch_size))
+        lengths = lengths.clamp(max=self.num_output_tokens)
+        found, anchors = [], []
+        for row in range(batch.batch_size):
+            draft = self._speculate(batch, row, int(lengths[row]), tree=False)
+            found.append(torch.tensor(draft.token_ids if draft else [], dtype=torch.long, device=batch.tokens.device))
+            anchor = draft.match_len if draft else 0
+            anchors.append(min(anchor, max_anchor) if max_anchor else anchor)
+        return found, torch.tensor(anchors, dtype=torch.long, device=batch.tokens.device)
+
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
+    ) -> Proposal:
+        offer, self._offer = self._offer, None
+        self.last_free_rows = lengths > 0
+        if node_budgets is not None:
+            return self._tree_proposal(batch, lengths.clamp(max=self.num_output_tokens), node_budgets)
+        if offer is None or len(offer[0]) != batch.batch_size:
+            return self.proposal(batch, self.continuations(batch, lengths))
+        return self.proposal(batch, [f[: int(n)] for f, n in zip(offer[0], lengths)])
+
+    def _tree_proposal(self, batch: TokenBatch, depths: torch.LongTensor, budgets: torch.LongTensor) -> Proposal:
+        """Each row's suffix tree of at most `budgets[b]` nodes, cut at depth `depths[b]`."""
+        self._write(batch, range(batch.batch_size))
+        tokens, parents = [], []
+        for row in range(batch.batch_size):
+            draft = self._speculate(batch, row, int(budgets[row]), tree=True) if int(depths[row]) > 0 else None
+            row_tokens, row_parents = _cut_tree(draft.token_ids, draft.parents, int(depths[row])) if draft else ([], [])
+            tokens.append([int(batch.last_tokens()[row])] + row_tokens)
+            parents.append([-1] + [parent + 1 for parent in row_parents])  # node 0 is the root
+        tree = TokenTree.from_parent_lists(tokens, parents, batch.pad_id)
+        device = batch.tokens.device
+        return Proposal(tree.tokens[:, 1:].to(device), tree.num_draft.to(device), None, tree.parents[:, 1:].to(device))
+
+    def _speculate(self, batch: TokenBatch, row: int, max_tokens: int, tree: bool):
+        if max_tokens <= 0:
+            return None
+        context = batch.real_tokens(row)[-self.cache.settings.max_depth :].tolist()
+        return self.cache.speculate(self._requests[row], context, max_tokens, tree)
+
+
+def _cut_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
+    """The nodes of a draft tree (`parents[i]` the index of node `i`'s parent, -1 under the root) at depth at most
+    `max_depth`, parents before children, with parents renumbered."""
+    order = sorted(range(len(tokens)), key=lambda i: _depth(parents, i))
+    kept: dict[int, int] = {}
+    cut_tokens, cut_parents = [], []
+    for i in order:
+        if _depth(parents, i) > max_depth or (parents[i] >= 0 and parents[i] not in kept):
+            continue
+        kept[i] = len(cut_tokens)
+        cut_tokens.append(tokens[i])
+        cut_parents.append(kept[parents[i]] if parents[i] >= 0 else -1)
+    return cut_tokens, cut_parents
+
+
+def _depth(parents: list[int], node: int) -> int:
+    depth = 1
+    while parents[node] >= 0:
+        node, depth = parents[node], depth + 1
+    return depth
