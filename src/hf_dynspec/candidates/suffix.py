@@ -134,6 +134,12 @@ def suffix_cache_for(model: object, settings: SuffixSettings | None = None) -> S
     return caches[settings]
 
 
+def clear_suffix_caches(model: object) -> None:
+    """Forget the finished outputs of every suffix cache of `model`."""
+    for cache in _CACHES.get(model, {}).values():
+        cache.clear()
+
+
 class SuffixProposer(PromptLookupProposer):
     """Suffix speculation for every row of a batch: chains (prompt lookup's interface, so `HybridProposer` takes it
     where it takes prompt lookup), or token trees under `node_budgets`.

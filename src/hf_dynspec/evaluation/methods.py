@@ -12,6 +12,7 @@
 | `dynspec-hybrid[:K]` | `goodput` with the hybrid proposer: per row and step, prompt lookup or the draft model |
 | `dynspec-tree[:N[:D]]` | `goodput` with draft-model token trees of at most N nodes per row (default 12), D deep (default 4) |
 | `dynspec-tree-lookup[:N]` | `goodput` with prompt-lookup tries of at most N nodes per row (default 10) |
+| `dynspec-suffix[:N]` | `goodput` with the suffix proposer (suffix trees, no draft model), at most N tokens per row and step (default 10) |
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
@@ -23,6 +24,10 @@ the method's config instead: `goodput@stepwise.draft_lookahead=0` drafts token b
 Any method that uses the draft model may end in `/<variant>` to run with a variant of the bench's draft instead
 (`fp32`, `bf16`, `8bit`, `4bit`, see `models.VARIANTS`): `dynspec-goodput/4bit` and `dynspec-goodput/fp32` compare a
 4-bit and a float32 draft in one run, on the same prompts.
+
+A `dynspec-suffix` method may end in `+draft` (per row and step, the suffix proposal or the draft model, as the policy
+decides) and in `+warm` (before each timed run, the same prompts run once untimed with another seed, as an RL epoch
+before: the timed run proposes from those outputs too). Without `+warm` every run starts from an empty suffix cache.
 
 A `plain` or `hf-*` method may end in `+narrow`, `+rowmajor` or both (`hf-assisted+narrow+rowmajor`) to run with the
 kernels the speculative loop uses (`kernels.NarrowLinear`, `kernels.row_major_output`), so that a baseline is not
@@ -54,7 +59,11 @@ ROW_MAJOR = "rowmajor"
 """The `+rowmajor` method modifier."""
 TEXT = "text"
 """The `+text` method modifier."""
-MODIFIERS = (NARROW, ROW_MAJOR, TEXT)
+DRAFT = "draft"
+"""The `+draft` modifier of `dynspec-suffix`: the suffix proposal or the draft model, per row and step."""
+WARM = "warm"
+"""The `+warm` modifier of `dynspec-suffix`: each timed run follows an untimed one over the same prompts."""
+MODIFIERS = (NARROW, ROW_MAJOR, TEXT, DRAFT, WARM)
 """What may follow a method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels the speculative
 loop runs with, so that a baseline can have them too (`plain` and `hf-*` only), and drafting through text."""
 NO_SPECULATION = "dynspec-nospec"
@@ -85,6 +94,13 @@ class Method:
     through_text: bool = False
     """`dynspec-*` methods with a draft: pass the target's tokenizer as `tokenizer` and `assistant_tokenizer` (the `+text`
     suffix), so the draft reads and writes text as a draft with another tokenizer does."""
+    warm: bool = False
+    """`dynspec-suffix` methods: each timed run follows an untimed run over the same prompts (the `+warm` suffix)."""
+
+    @property
+    def suffix(self) -> bool:
+        """Whether the method proposes from suffix trees (whose cache the bench empties before each run)."""
+        return self.dynspec_config is not None and self.dynspec_config.proposer == "suffix"
 
     @property
     def batched(self) -> bool:
@@ -124,10 +140,19 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
 
 def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
     """`method` run with the loop's kernels: inside `kernels.NarrowLinear` (`+narrow`), with its output layers fed
-    row-major inputs (`+rowmajor`, `kernels.row_major_output`); or drafting through text (`+text`, `dynspec-*`)."""
+    row-major inputs (`+rowmajor`, `kernels.row_major_output`); drafting through text (`+text`, `dynspec-*`); or
+    suffix speculation with the draft model (`+draft`) or after an untimed run (`+warm`)."""
     unknown = [m for m in modifiers if m not in MODIFIERS]
     if unknown:
         raise MethodError(f"In method {name!r} the modifiers after '+' may only be {list(MODIFIERS)}; got {unknown}.")
+    suffix_modifiers = [m for m in modifiers if m in (DRAFT, WARM)]
+    if suffix_modifiers and not method.suffix:
+        raise MethodError(f"Method {name!r}: '+{'+'.join(suffix_modifiers)}' applies to dynspec-suffix methods only.")
+    if DRAFT in modifiers:
+        method = dataclasses.replace(method, uses_draft=True)
+    if WARM in modifiers:
+        method = dataclasses.replace(method, warm=True)
+    modifiers = [m for m in modifiers if m not in (DRAFT, WARM)]
     kernels = [m for m in modifiers if m != TEXT]
     if method.kind == "dynspec" and kernels:
         raise MethodError(
@@ -172,6 +197,12 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
+    if base.partition("@")[0] == "dynspec-suffix":
+        tag = base.partition("@")[2]
+        options, fields = _config_fields(dict((policy_options or {}).get(f"suffix@{tag}" if tag else "suffix", {})))
+        settings = {"policy": "goodput", "proposer": "suffix", "policy_options": options, **fields}
+        settings["prompt_lookup_max_tokens"] = _count(name, argument, fields.get("prompt_lookup_max_tokens", DEFAULT_LOOKUP_TOKENS))
+        return Method(name, "dynspec", dynspec_config=DynSpecConfig(**settings))
     if base.partition("@")[0] in ("dynspec-tree", "dynspec-tree-lookup"):
         return _tree_method(name, base, argument, policy_options)
     if base.startswith("dynspec-"):
@@ -187,7 +218,8 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], {NO_SPECULATION}, "
-        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N] or "
+        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N], "
+        "dynspec-suffix[:N][+draft][+warm] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."
     )

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from ..candidates.draft_model import draft_lookahead_tokens
+from ..candidates.suffix import clear_suffix_caches
 from ..kernels import linear_plan, narrow_linear, row_major_output
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
@@ -217,9 +218,11 @@ class Runner:
         if method.through_text and self.tokenizer is None:
             raise ValueError(f"Method {method.name!r} drafts through text and needs the target's tokenizer, which "
                              "tiny models (--tiny) do not have; drop '+text' or bench a real model.")
+        chunks = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
+        if method.suffix:
+            self._start_suffix_cache(method, prompts, chunks, budgets, max_new_tokens)
         self._target_counter.take(), self._draft_forwards()
         outcome = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
-        chunks = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
         for chunk in tqdm(chunks, desc=f"{method.name} @ {batch_size}", leave=False, disable=not progress):
             batch = [prompts[i] for i in chunk]
             batch_budgets = [budgets[i] for i in chunk] if budgets is not None else None
@@ -232,6 +235,19 @@ class Runner:
         outcome.target_forwards += self._target_counter.take()
         outcome.draft_forwards += self._draft_forwards()
         return outcome
+
+    def _start_suffix_cache(
+        self, method: Method, prompts: Sequence[Sequence[int]], chunks: list[range], budgets, max_new_tokens
+    ) -> None:
+        """Empty the target's suffix caches, so no run proposes from another's outputs; with `+warm`, then run the
+        same prompts once untimed with another seed (an RL epoch before)."""
+        clear_suffix_caches(self.target)
+        if not method.warm:
+            return
+        scratch = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
+        for chunk in chunks:
+            chunk_budgets = [budgets[i] for i in chunk] if budgets is not None else None
+            self._generate(method, [prompts[i] for i in chunk], chunk_budgets, max_new_tokens, scratch, self.seed + 1)
 
     def prepare(self, method: Method) -> None:
         """Pay `method`'s one-off costs of a process now, untimed: the draft's lookahead width is measured on the
@@ -274,6 +290,7 @@ class Runner:
         budgets: list[int] | None,
         max_new_tokens: int | None,
         outcome: Outcome,
+        seed: int | None = None,
     ) -> None:
         input_ids, attention_mask = left_pad(prompts, self.pad_id)
         kwargs: dict[str, Any] = dict(
@@ -292,7 +309,7 @@ class Runner:
         if recorder is not None:
             kwargs["logits_processor"] = LogitsProcessorList([recorder])
         if self.do_sample:
-            torch.manual_seed(self.seed)
+            torch.manual_seed(self.seed if seed is None else seed)
         start, cpu_start = time.perf_counter(), time.process_time()
         models = ((self.target, self._draft(method)) if method.uses_draft else (self.target,)) if method.row_major else ()
         with torch.inference_mode(), narrow_linear(self._linear_plan if method.narrow else 0), row_major_output(*models):
