@@ -82,9 +82,11 @@ def test_hub_page_blocks_run(namespace: dict, tmp_path: Path) -> None:
 
 
 def test_rollouts_page_blocks_run(namespace: dict) -> None:
-    """TRL's GRPOTrainer (a bound draft, then a LoRA target) and lm-evaluation-harness, as the page writes them."""
+    """TRL's GRPOTrainer (a bound draft, then a LoRA target), lm-evaluation-harness and suffix speculation over two
+    epochs, as the page writes them."""
     ran = run_page("rollouts.md", namespace)
-    assert ran == 3
+    assert ran == 4
+    assert namespace["rollouts"].shape[0] == 4  # the suffix block's second epoch
     assert namespace["trainer"].state.global_step == 2
     assert type(namespace["trainer"].model).__name__ == "PeftModelForCausalLM"
     assert len(namespace["completions"]) == 2

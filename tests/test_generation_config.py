@@ -35,6 +35,7 @@ NON_DEFAULT = {
     "prefill_draft_confidence": 0.3,
     "draft_vocab_size": None,
     "narrow_linear": "off",
+    "packed_verify": False,
     "compact_min_holes": 9,
     "compact_hole_fraction": 0.5,
     "collect_step_stats": False,

@@ -164,6 +164,12 @@ class DynSpecConfig:
                   "forward reads them (float32 on a CPU; see `hf_dynspec.kernels`); 'on' always computes weight-first "
                   "for float32 weights, 'off' changes nothing. One-row forwards are never changed."},
     )
+    packed_verify: bool = field(
+        default=True,
+        metadata={"help": "Verify forwards feed the target only the tokens rows propose, packed into one sequence, so "
+                  "its linear layers compute `sum(1 + k_i)` tokens instead of every row padded to the longest draft "
+                  "(`hf_dynspec.packing`; models with SDPA attention and no sliding windows). False pads."},
+    )
     compact_min_holes: int = field(
         default=32,
         metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
@@ -226,6 +232,8 @@ class DynSpecConfig:
         self._check_choice("proposer", PROPOSERS)
         if not isinstance(self.policy_options, dict):
             raise ValueError(f"`policy_options` must be a dict, got {type(self.policy_options).__name__}.")
+        if not isinstance(self.packed_verify, bool):
+            raise ValueError(f"`packed_verify` must be a bool, got {self.packed_verify!r}.")
         if not isinstance(self.collect_step_stats, bool):
             raise ValueError(f"`collect_step_stats` must be a bool, got {self.collect_step_stats!r}.")
 

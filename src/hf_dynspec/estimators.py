@@ -244,7 +244,8 @@ class StepCostModel(ABC):
 
 
 class PaddedCostModel(StepCostModel):
-    """`verify(b * (1 + K)) + K * draft(b)` with `K = max(lengths)`: the loop pads every row to the longest draft.
+    """`verify(b * (1 + K)) + K * draft(b)` with `K = max(lengths)`: the loop pads every row to the longest draft
+    (`verify(b + sum(k))` when it packs verify forwards, `packed`).
 
     `verify` maps target tokens per forward to seconds, `draft` maps the batch size to seconds per draft forward;
     a missing `verify` costs one (arbitrary) second per step and a missing `draft` costs nothing.
@@ -263,6 +264,13 @@ class PaddedCostModel(StepCostModel):
         self.rows_apart = rows_apart
         """The draft runs each row in forwards of its own (`BatchedProposer.rows_apart`): a step's draft forwards
         are the sum of its rows' drafts, each over one row, instead of its longest draft over the whole batch."""
+        self.packed = False
+        """The loop packs verify forwards (`hf_dynspec.packing`): a step's target computes `b + sum(k)` tokens, the
+        real ones, instead of `b * (1 + K)`."""
+
+    def set_packed(self, packed: bool) -> None:
+        """Price verify forwards as packed (or padded); see `packed`."""
+        self.packed = packed
 
     def draft_rows(self, batch_size: int) -> int:
         """Rows in each draft forward of a step at `batch_size` rows (the draft curve's knot that prices it)."""
@@ -296,7 +304,10 @@ class PaddedCostModel(StepCostModel):
         """`[n]` seconds of steps whose longest draft is `max_lengths` (`[n]`) at `batch_size` active rows, with
         `totals` (`[n]`) draft tokens over all rows (default: every row drafts the longest)."""
         k = np.asarray(max_lengths, dtype=np.float64)
-        verify = self.verify(batch_size * (1.0 + k)) if self.verify is not None else np.ones_like(k)
+        tokens = batch_size * (1.0 + k)  # [n] target tokens of each step, padded to the longest draft
+        if self.packed and totals is not None:
+            tokens = batch_size + np.asarray(totals, dtype=np.float64)
+        verify = self.verify(tokens) if self.verify is not None else np.ones_like(k)
         if self.draft is None:
             return verify
         per_forward = self.draft_forward(self.draft_rows(batch_size))

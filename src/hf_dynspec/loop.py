@@ -34,6 +34,7 @@ from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
 from .distributed import DecisionBroadcast
+from .packing import can_pack
 from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
 from .processors import process_logits, process_tree_logits
@@ -141,6 +142,7 @@ class _Run:
         batch_criteria = [c for c in extra_criteria if not answers_row_by_row(c)]
         self.criteria = LockstepCriteria(batch_criteria, input_ids, self.pad_id) if batch_criteria else None
         self.proposer = self._make_proposer(draft)
+        self.packs = config.packed_verify and can_pack(model)  # verify forwards compute only the real tokens
         self.max_draft = self._max_draft_tokens()
         free = isinstance(self.proposer, (HybridProposer, SuffixProposer))
         self.max_free = self.config.prompt_lookup_max_tokens if free else self.max_draft
@@ -284,7 +286,7 @@ class _Run:
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefilled = input_ids[:, cached:].numel()  # tokens the prefill's forward computed
         prefill = PrefillFeedback(
-            input_ids.shape[0], prefilled, self.stats.prefill_seconds, ratio, self.proposer.rows_apart
+            input_ids.shape[0], prefilled, self.stats.prefill_seconds, ratio, self.proposer.rows_apart, self.packs
         )
         self.policy.observe_prefill(prefill)
         return batch
@@ -356,7 +358,7 @@ class _Run:
         nodes = tree.num_nodes
         positions = tree.position_ids(batch.num_real - 1)  # [batch, nodes]
         visibility = tree.visibility(self.target_cache.length)  # [batch, nodes, length + nodes]
-        logits = self._target_forward(tree.tokens, tree.valid.long(), positions, nodes, visibility)  # [b, nodes, v]
+        logits = self._target_forward(tree.tokens, tree.valid.long(), positions, nodes, visibility, self.packs)
         scores = process_tree_logits(self.logits_processor, batch, tree, logits)
         outcome = self._verify(scores, tree, proposal.node_probs(tree))
         verified = self.placement.clock()
@@ -432,10 +434,14 @@ class _Run:
         positions: torch.LongTensor,
         keep: int,
         visibility: torch.BoolTensor | None = None,
+        pack: bool = False,
     ) -> torch.Tensor:
-        """`[batch, keep, vocab]` float32 target logits for the last `keep` of the new tokens."""
+        """`[batch, keep, vocab]` float32 target logits for the last `keep` of the new tokens (`pack`: computing
+        only the real ones, see `Placement.forward`)."""
         self.stats.target_forwards += 1
-        return self.placement.forward(self.model, self.target_cache, ids, query_mask, positions, keep, visibility)
+        return self.placement.forward(
+            self.model, self.target_cache, ids, query_mask, positions, keep, visibility, pack=pack
+        )
 
     def _verify(self, scores: torch.Tensor, tree: TokenTree, draft_probs: torch.Tensor | None) -> TreeVerification:
         """Verify `tree` against the processed target scores at its nodes (`[batch, nodes, vocab]`)."""
@@ -558,7 +564,8 @@ class _Run:
         verify_seconds: float,
         batch: TokenBatch,
     ) -> None:
-        target_tokens = batch.batch_size * tree.num_nodes
+        # tokens the verify forward computed: the real ones when packed, every row padded to the widest otherwise
+        target_tokens = int(tree.valid.sum()) if self.packs else batch.batch_size * tree.num_nodes
         depths = tree.depths.max(dim=1).values  # [batch] draft tokens on each row's longest path (chains: lengths)
         free_rows = self.proposer.last_free_rows if proposal.max_length else None
         catchup_tokens = self.proposer.catchup_tokens if catchup_seconds > 0 else 0

@@ -20,6 +20,7 @@ from .cache import RaggedCache, SlidingWindows, cache_kwarg, sliding_windows
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask, causal_visibility, windowed_attention_masks
 from .kernels import LinearPlan, linear_plan, narrow_linear, row_major_output
+from .packing import PackedCache, Packing, packed
 
 
 @functools.cache
@@ -147,6 +148,7 @@ class Placement:
         keep: int,
         visibility: torch.BoolTensor | None = None,
         head: DraftHead | None = None,
+        pack: bool = False,
     ) -> torch.Tensor:
         """One forward of `model` (target or draft) over new tokens, extending its ragged cache.
 
@@ -160,12 +162,17 @@ class Placement:
             visibility: `[batch, width, length + width]` what each new token may see (token trees, see
                 `TokenTree.visibility`), passed as a 4D mask; `None` for a causal block (2D mask).
             head: the draft's output layer over part of the vocabulary (`-inf` elsewhere); `None`: the model's own.
+            pack: compute only the real tokens (`hf_dynspec.packing`) when the block has padding, `visibility` is
+                given, every position's logits are kept, and the model can be packed (`can_pack`).
 
         Returns:
             `[batch, keep, vocab]` float32 logits on the loop device.
         """
         device = input_device(model)
         attention_mask = self._attention_mask(model, cache, query_mask, positions, visibility)
+        holes = pack and visibility is not None and keep == ids.shape[1] and head is None
+        if holes and bool((query_mask == 0).any()):
+            return self._packed_forward(model, cache, ids, query_mask, positions, attention_mask)
         inputs = dict(
             input_ids=ids.to(device, non_blocking=True),
             attention_mask=_to(attention_mask, device),
@@ -180,6 +187,28 @@ class Placement:
             inputs[_cache_kwarg(type(model))] = cache.cache
             output = model(**inputs, **logits_kwargs(model, keep))
         return self.logits_to_loop(output.logits[:, -keep:])
+
+    def _packed_forward(
+        self,
+        model: PreTrainedModel,
+        cache: RaggedCache,
+        ids: torch.LongTensor,
+        query_mask: torch.LongTensor,
+        positions: torch.LongTensor,
+        attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` over the real tokens of the block alone (`hf_dynspec.packing`): `[batch, width, vocab]` logits,
+        zeros on padding."""
+        device = input_device(model)
+        packing = Packing.of(query_mask.to(device), _to(attention_mask, device))
+        inputs = dict(input_ids=packing.pack(ids.to(device)), position_ids=packing.pack(positions.to(device)),
+                      use_cache=True)  # [1, total] each
+        inputs[_cache_kwarg(type(model))] = PackedCache(cache.cache, packing)
+        with narrow_linear(self.linear_plans.get(id(model), LinearPlan())), row_major_output(model), packed(
+            model, packing
+        ):
+            output = model(**inputs, **logits_kwargs(model, 0))  # [1, total, vocab]
+        return self.logits_to_loop(packing.unpack(output.logits))
 
     def _attention_mask(
         self,

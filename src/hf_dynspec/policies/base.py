@@ -35,7 +35,7 @@ class StepFeedback:
     """What happened in a step, given to `DraftLengthPolicy.observe` after verification.
 
     The loop pads draft tokens to the longest row, so the target processes `batch_size * (1 + max(draft_lengths))`
-    tokens in the verify forward (`target_tokens`), and the draft model runs `max(draft_lengths)` forwards in
+    tokens in the verify forward (`target_tokens`; the real tokens alone when it packs verify forwards), and the draft model runs `max(draft_lengths)` forwards in
     `draft_seconds`. A draft catching up on a backlog (its prompt prefill) spends `catchup_seconds` on top.
     """
 
@@ -69,6 +69,7 @@ class PrefillFeedback:
     seconds: float
     draft_cost_ratio: float | None = None
     draft_rows_apart: bool = False  # the proposer drafts each row in forwards of its own (`BatchedProposer.rows_apart`)
+    packed_verify: bool = False  # verify forwards compute only the real tokens (`hf_dynspec.packing`)
 
 
 class DraftLengthPolicy(ABC):

@@ -368,6 +368,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.draft_ratio = feedback.draft_cost_ratio
         if isinstance(self.cost_model, PaddedCostModel):
             self.cost_model.set_rows_apart(feedback.draft_rows_apart)
+            self.cost_model.set_packed(feedback.packed_verify)
         self.cost_model.observe_prefill(feedback.tokens, feedback.seconds)
         if isinstance(self.cost_model, OnlineCostModel):
             self.cost_model.draft_ratio = feedback.draft_cost_ratio
