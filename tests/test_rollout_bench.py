@@ -6,7 +6,7 @@ import pytest
 
 from hf_dynspec.commands.bench import add_parser, settings_from_args
 from hf_dynspec.evaluation import bench
-from hf_dynspec.evaluation.methods import NO_SPECULATION, parse_method
+from hf_dynspec.evaluation.methods import NO_SPECULATION, MethodError, parse_method
 from hf_dynspec.evaluation.plots import write_plots
 from hf_dynspec.evaluation.rollout import BUCKETS, bucket_seconds, rollout_table
 
@@ -62,3 +62,31 @@ def test_a_tiny_rollout_records_who_is_active_and_where_the_time_goes(tmp_path):
     table = rollout_table(results, NO_SPECULATION)
     assert all(f"| {name} |" in table for name in timelines) and f"vs {NO_SPECULATION}" in table
     assert any(path.name == "active_rows.png" for path in write_plots(results, tmp_path))
+
+
+def test_suffix_methods_and_their_modifiers():
+    cold, warm, both = (parse_method(name) for name in ("dynspec-suffix:6", "dynspec-suffix+warm",
+                                                        "dynspec-suffix+draft+warm"))
+    assert cold.suffix and not cold.uses_draft and not cold.warm
+    assert cold.dynspec_config.prompt_lookup_max_tokens == 6 and cold.dynspec_config.policy == "goodput"
+    assert warm.warm and not warm.uses_draft and both.warm and both.uses_draft
+    with pytest.raises(MethodError, match="applies to dynspec-suffix methods only"):
+        parse_method("dynspec-goodput+warm")
+
+
+def test_suffix_runs_start_from_an_empty_cache_and_warm_ones_after_an_untimed_pass():
+    from hf_dynspec.candidates.suffix import _CACHES
+    from hf_dynspec.evaluation.runner import Runner
+    from hf_dynspec.evaluation.tiny import tiny_pair
+
+    target, draft = tiny_pair()
+    runner = Runner(target, draft, max_new_tokens=8, do_sample=True, seed=0)
+    prompts = [[5, 6, 7, 8]] * 3 + [[9, 10, 11]] * 3
+    try:
+        for name, outputs in (("dynspec-suffix", 6), ("dynspec-suffix+warm", 12), ("dynspec-suffix", 6)):
+            outcome = runner.run(parse_method(name), prompts, batch_size=6, progress=False)
+            (cache,) = _CACHES[target].values()
+            assert cache.num_outputs == outputs, name  # the cache holds this run's outputs (and the untimed pass's)
+            assert outcome.target_forwards <= 8  # the untimed pass's forwards are not counted
+    finally:
+        runner.close()

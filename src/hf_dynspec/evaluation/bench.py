@@ -91,7 +91,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         samples_per_prompt=8,
         batch_sizes=[16],
         max_new_tokens=512,
-        methods="plain,dynspec-nospec,dynspec-goodput,dynspec-static:2,dynspec-prompt-lookup:4,dynspec-hybrid",
+        methods="plain,dynspec-nospec,dynspec-goodput,dynspec-static:2,dynspec-prompt-lookup:4,dynspec-hybrid,"
+                "dynspec-suffix,dynspec-suffix+warm",
         output_lengths="eos",
         # an RL rollout as TRL's GRPOTrainer generates it: each prompt's samples in adjacent rows, sampled at
         # temperature 1 over the whole vocabulary, each row ending at its own EOS (a long tail of a few long rows)
