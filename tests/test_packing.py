@@ -75,3 +75,12 @@ def test_the_cost_model_prices_packed_steps_by_their_real_tokens():
     packed = float(model.padded_seconds(16, longest, totals)[0])
     assert packed == pytest.approx(float(verify(np.array([20.0]))[0]))
     assert padded == pytest.approx(2.0) and packed < padded
+
+
+def test_every_cost_model_the_policy_derives_keeps_the_packing():
+    from hf_dynspec.estimators import OnlineCostModel
+    from hf_dynspec.policies.goodput import _verify_only
+
+    model = OnlineCostModel()
+    model.set_packed(True)
+    assert model.evidence.packed and model.optimistic().packed and _verify_only(model).packed

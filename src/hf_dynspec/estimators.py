@@ -257,14 +257,18 @@ class PaddedCostModel(StepCostModel):
     """
 
     def __init__(
-        self, verify: PiecewiseLinear | None, draft: PiecewiseLinear | None, rows_apart: bool = False
+        self,
+        verify: PiecewiseLinear | None,
+        draft: PiecewiseLinear | None,
+        rows_apart: bool = False,
+        packed: bool = False,
     ) -> None:
         self.verify = verify
         self.draft = draft
         self.rows_apart = rows_apart
         """The draft runs each row in forwards of its own (`BatchedProposer.rows_apart`): a step's draft forwards
         are the sum of its rows' drafts, each over one row, instead of its longest draft over the whole batch."""
-        self.packed = False
+        self.packed = packed
         """The loop packs verify forwards (`hf_dynspec.packing`): a step's target computes `b + sum(k)` tokens, the
         real ones, instead of `b * (1 + K)`."""
 
@@ -443,6 +447,10 @@ class OnlineCostModel(PaddedCostModel):
         self.rows_apart = rows_apart
         self._refit()
 
+    def set_packed(self, packed: bool) -> None:
+        """As `PaddedCostModel.set_packed`, for the measured knots (`evidence`) too."""
+        self.packed = self.evidence.packed = packed
+
     def exploration_length(self, batch_size: int, max_draft_tokens: int) -> int | None:
         if max_draft_tokens <= 0:
             return None
@@ -480,6 +488,7 @@ class OnlineCostModel(PaddedCostModel):
             _as_measured(self.verify_samples, min, self.prefill_point),
             _as_measured(self.draft_samples, _median),
             self.rows_apart,
+            self.packed,
         )
 
     def has_measured(self, tokens: int) -> bool:
@@ -494,7 +503,7 @@ class OnlineCostModel(PaddedCostModel):
         """The same knots with every stale one capped by what the fresh knots predict, even beyond their range."""
         verify = self._fit(self.verify_samples, True, far=self.prefill_point)
         draft = self._fit(self.draft_samples, True, typical=True, prior=self._draft_prior(verify))
-        return PaddedCostModel(verify, draft, self.rows_apart)
+        return PaddedCostModel(verify, draft, self.rows_apart, self.packed)
 
     def _draft_prior(self, verify: PiecewiseLinear | None) -> Callable[[np.ndarray], np.ndarray] | None:
         """`draft_ratio` times a plain step at each batch size (`None` while either is unknown)."""

@@ -15,6 +15,8 @@ Two seams of transformers make this possible without touching model code:
 Rotary position embeddings are applied per token from the packed position ids, before either step. The model's own
 mask construction is skipped (transformers builds no mask for an attention function without a mask interface); the
 attention function uses the loop's mask. Models with sliding windows, eager attention or tensor parallelism run padded.
+A packed forward switches the model's attention implementation for its duration, so one model object runs one packed
+forward at a time (as it runs one `generate` loop at a time).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class PackedCache(Cache):
     """The loop's cache seen by a packed forward: new keys and values (`[1, kv_heads, total, dim]`) are unpacked into
     the padded layout before `cache` stores them; everything else is `cache`'s."""
 
-    def __init__(self, cache: Cache, packing: Packing) -> None:  # noqa: super().__init__ would build layers of its own
+    def __init__(self, cache: Cache, packing: Packing) -> None:
+        # no `super().__init__()`: the wrapper holds no layers of its own, every attribute comes from `cache`
         self.cache = cache
         self.packing = packing
 

@@ -787,7 +787,7 @@ def _measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
 def _verify_only(cost_model: StepCostModel) -> StepCostModel:
     """The verify part of a padded cost model: what a step costs when no draft forward runs (prompt lookup)."""
     if isinstance(cost_model, PaddedCostModel):
-        return PaddedCostModel(cost_model.verify, None)
+        return PaddedCostModel(cost_model.verify, None, packed=cost_model.packed)
     return cost_model
 
 
