@@ -145,9 +145,8 @@ def enable(
 
     Without `assistant_model`, calls that bring a proposer (`assistant_model=draft` or `prompt_lookup_num_tokens=n`,
     or a `dynspec_config` bound or given with `proposer='suffix'`) speculate and every other call runs transformers'
-    original `generate`. With it, every later call that brings no
-    proposer of its own speculates with the bound draft, so callers that pass only a `GenerationConfig` (TRL's
-    trainers, lm-evaluation-harness, pipelines) speculate too. A call's own `assistant_model`,
+    original `generate`. With it, every later call that brings no proposer of its own speculates with the bound draft,
+    so callers that pass only a `GenerationConfig` (TRL's trainers, lm-evaluation-harness, pipelines) speculate too. A call's own `assistant_model`,
     `prompt_lookup_num_tokens` or `dynspec_config` wins over what is bound; calls the loop cannot serve (beam search,
     several greedy sequences per prompt) and calls with their own `custom_generate` run transformers' `generate`.
 
