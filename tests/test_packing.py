@@ -84,3 +84,8 @@ def test_every_cost_model_the_policy_derives_keeps_the_packing():
     model = OnlineCostModel()
     model.set_packed(True)
     assert model.evidence.packed and model.optimistic().packed and _verify_only(model).packed
+
+
+def test_packed_verify_must_be_a_bool():
+    with pytest.raises(ValueError, match="`packed_verify` must be a bool"):
+        DynSpecConfig(packed_verify="yes")

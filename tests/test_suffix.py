@@ -13,7 +13,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings, suffix_cache_for
+from hf_dynspec.candidates.suffix import SuffixCache, SuffixProposer, SuffixSettings, suffix_cache_for
+from hf_dynspec.sequences import TokenBatch
 
 
 def grouped_prompts(lengths: list[int], group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,3 +166,12 @@ def test_without_arctic_inference_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)
     with pytest.raises(ImportError, match=r"hf_dynspec\[suffix\]"):
         SuffixCache()
+
+
+def test_anchors_need_the_steps_offer_first():
+    proposer = SuffixProposer(SuffixCache())
+    ids, _ = grouped_prompts([5], 1, seed=0)
+    batch = TokenBatch(tokens=ids, prompt_width=ids.shape[1], num_prompt=torch.tensor([ids.shape[1]]),
+                       num_generated=torch.zeros(1, dtype=torch.long), pad_id=0, max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="call that first"):
+        proposer.free_anchors(batch)

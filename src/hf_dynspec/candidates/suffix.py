@@ -66,6 +66,7 @@ class SuffixCache:
         self.trees = _arctic()(max_tree_depth=self.settings.max_depth, max_cached_requests=self.settings.max_outputs)
         self._ids = itertools.count()
         self._sizes: dict[int, int] = {}  # request id -> its output's tokens in the global tree, oldest first
+        self._tokens = 0  # sum of `_sizes`
 
     @property
     def num_outputs(self) -> int:
@@ -75,7 +76,7 @@ class SuffixCache:
     @property
     def num_tokens(self) -> int:
         """Tokens of those outputs."""
-        return sum(self._sizes.values())
+        return self._tokens
 
     def start(self, prompt: Sequence[int]) -> int:
         """Begin a request on `prompt`; returns its id."""
@@ -90,10 +91,11 @@ class SuffixCache:
         self.trees.add_active_response(request, list(tokens))
         if request in self._sizes:
             self._sizes[request] += len(tokens)
-        while self.num_tokens > self.settings.max_tokens and len(self._sizes) > 1:
+            self._tokens += len(tokens)
+        while self._tokens > self.settings.max_tokens and len(self._sizes) > 1:
             oldest = next(iter(self._sizes))
             self.trees.evict_cached_response(oldest)
-            del self._sizes[oldest]
+            self._tokens -= self._sizes.pop(oldest)
 
     def stop(self, request: int) -> None:
         """End a request: its prompt is dropped, its output stays in the global tree until evicted."""
@@ -112,12 +114,12 @@ class SuffixCache:
         """Forget every finished output (running requests keep theirs)."""
         for request in [r for r in self._sizes if r not in self.trees.active_requests]:
             self.trees.evict_cached_response(request)
-            del self._sizes[request]
+            self._tokens -= self._sizes.pop(request)
 
     def _forget_evicted(self) -> None:
         cached = self.trees.cached_requests
         for request in [r for r in self._sizes if r not in cached]:
-            del self._sizes[request]
+            self._tokens -= self._sizes.pop(request)
 
 
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -230,10 +232,11 @@ class SuffixProposer(PromptLookupProposer):
         """Each row's suffix tree of at most `budgets[b]` nodes, cut at depth `depths[b]`."""
         self._write(batch, range(batch.batch_size))
         tokens, parents = [], []
+        roots = batch.last_tokens().tolist()  # [batch] each row's newest token, its tree's root
         for row in range(batch.batch_size):
             draft = self._speculate(batch, row, int(budgets[row]), tree=True) if int(depths[row]) > 0 else None
             row_tokens, row_parents = _cut_tree(draft.token_ids, draft.parents, int(depths[row])) if draft else ([], [])
-            tokens.append([int(batch.last_tokens()[row])] + row_tokens)
+            tokens.append([roots[row]] + row_tokens)
             parents.append([-1] + [parent + 1 for parent in row_parents])  # node 0 is the root
         tree = TokenTree.from_parent_lists(tokens, parents, batch.pad_id)
         device = batch.tokens.device
@@ -249,11 +252,11 @@ class SuffixProposer(PromptLookupProposer):
 def _cut_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
     """The nodes of a draft tree (`parents[i]` the index of node `i`'s parent, -1 under the root) at depth at most
     `max_depth`, parents before children, with parents renumbered."""
-    order = sorted(range(len(tokens)), key=lambda i: _depth(parents, i))
+    depths = [_depth(parents, i) for i in range(len(tokens))]
     kept: dict[int, int] = {}
     cut_tokens, cut_parents = [], []
-    for i in order:
-        if _depth(parents, i) > max_depth or (parents[i] >= 0 and parents[i] not in kept):
+    for i in sorted(range(len(tokens)), key=depths.__getitem__):
+        if depths[i] > max_depth or (parents[i] >= 0 and parents[i] not in kept):
             continue
         kept[i] = len(cut_tokens)
         cut_tokens.append(tokens[i])
