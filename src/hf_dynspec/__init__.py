@@ -14,6 +14,18 @@ from .stats import DynSpecStats, StepRecord
 
 __version__ = "0.1.0"
 
+_CONTINUOUS = ("generate_batch", "init_continuous_batching")
+"""Entry points over transformers' continuous batching (`hf_dynspec.continuous`), imported on first use."""
+
+
+def __getattr__(name: str):
+    if name in _CONTINUOUS:
+        from . import continuous
+
+        return getattr(continuous, name)
+    raise AttributeError(f"module 'hf_dynspec' has no attribute {name!r}")
+
+
 __all__ = [
     "DynSpecConfig",
     "DynSpecOutput",
@@ -25,5 +37,7 @@ __all__ = [
     "disable",
     "enable",
     "generate",
+    "generate_batch",
+    "init_continuous_batching",
     "speculative_loop",
 ]

@@ -70,6 +70,12 @@ class AcceptanceEstimator:
         self.successes = torch.zeros(num_rows, dtype=torch.float64)
         self.failures = torch.zeros(num_rows, dtype=torch.float64)
 
+    def forget(self, row_ids: torch.LongTensor) -> None:
+        """Forget the rows `row_ids` (`[n]`): new requests took them, and start from the pooled estimate."""
+        rows = self._rows(row_ids)
+        self.successes[rows] = 0.0
+        self.failures[rows] = 0.0
+
     @property
     def pooled_mean(self) -> float:
         """Acceptance over every row observed so far, shrunk towards `prior_acceptance`: the prior of a new row."""

@@ -647,13 +647,18 @@ def _past_prefix(
 
 
 def _policy_for(
-    model: PreTrainedModel, draft: PreTrainedModel | None, config: DynSpecConfig, policy: DraftLengthPolicy | None
+    model: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    config: DynSpecConfig,
+    policy: DraftLengthPolicy | None,
+    engine: str = "generate",
 ) -> DraftLengthPolicy:
-    """`policy` if given; a learning policy remembered for this (target, draft, config); else a new one."""
+    """`policy` if given; a learning policy remembered for this (target, draft, config, engine); else a new one.
+    `engine` keeps apart policies whose steps cost differently: `generate`'s loop and continuous batching."""
     if policy is not None or config.policy != "goodput":
         return build_policy(config, policy)
     learned = _LEARNED_POLICIES.setdefault(model, {})
-    key = (id(draft), json.dumps(config.to_dict(), sort_keys=True, default=str))
+    key = (id(draft), json.dumps(config.to_dict(), sort_keys=True, default=str), engine)
     if key not in learned:
         learned[key] = build_policy(config)
     return learned[key]

@@ -84,6 +84,10 @@ class DraftLengthPolicy(ABC):
     def reset(self, num_rows: int) -> None:
         """Called once at the start of each `generate` call with the number of rows in the batch."""
 
+    def forget_rows(self, row_ids: torch.LongTensor) -> None:
+        """Rows `row_ids` (`[n]`) now belong to new requests: forget what was learned of them (continuous batching
+        hands a finished request's row id to the next one, within one `reset`)."""
+
     @abstractmethod
     def draft_lengths(self, request: PolicyInput) -> torch.LongTensor:
         """Return `torch.LongTensor` of shape `(batch,)` with values in `[0, request.max_draft_tokens]`."""

@@ -364,6 +364,10 @@ class GoodputPolicy(DraftLengthPolicy):
         # The loss budget and the count of plain steps since the last draft span every call the policy serves:
         # calls shorter than `probe_interval` would otherwise never probe again once drafting stopped paying.
 
+    def forget_rows(self, row_ids: torch.LongTensor) -> None:
+        for estimator in (self.acceptance, self.lookup_acceptance, self.copy_acceptance):
+            estimator.forget(row_ids)
+
     def observe_prefill(self, feedback: PrefillFeedback) -> None:
         self.draft_ratio = feedback.draft_cost_ratio
         if isinstance(self.cost_model, PaddedCostModel):

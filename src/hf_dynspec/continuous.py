@@ -1,0 +1,689 @@
+"""Speculation under transformers' continuous batching: `generate_batch` and `init_continuous_batching`.
+
+transformers' continuous batching (`model.generate_batch`, `model.init_continuous_batching()` and its
+`ContinuousBatchingManager`, `transformers serve --continuous-batching`) schedules requests step by step: each step's
+forward holds the decoding requests' newest tokens and chunks of other requests' prompts, packed into one sequence,
+over a paged KV cache. Speculation enters at three seams of that engine, and nowhere else:
+
+- before the scheduler builds a step, every decoding request gets `k_i` draft tokens from a model-free proposer
+  (prompt lookup, or suffix trees over every request's prompt and output), `k_i` chosen by the policy
+  (`DynSpecConfig.policy`, goodput by default) from the decoding requests, their acceptance and the measured step
+  costs. The request's query becomes its newest token and its draft: the scheduler (transformers' own, subclassed
+  through its `SCHEDULER_MAPPING` registry) books them as tokens of the step and pages of the cache, and cuts a draft
+  rather than splitting a request when the step's token budget or the cache runs short;
+- the step's forward keeps the logits of every query position of a drafting request; verification
+  (`hf_dynspec.verification`: greedy matching, or rejection sampling of a deterministic proposal) accepts `a_i`
+  draft tokens and adds one more, all appended to the request at once;
+- the request's position then moves back over its rejected positions, which the next step overwrites in the paged
+  cache. Blocks registered for prefix sharing are counted over the accepted positions only.
+
+Requests without a draft go through transformers' own update, unchanged, so a step in which no request drafts is
+exactly a plain continuous-batching step. What this module relies on of transformers' internals lives here alone.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedModel
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.cache_allocators import SLIDING_ATTENTION
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+)
+from transformers.generation.continuous_batching.requests import (
+    FutureRequestState,
+    GenerationOutput,
+    RequestState,
+    RequestStatus,
+)
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, Scheduler
+
+from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
+from .candidates.suffix import SuffixCache, SuffixSettings, suffix_cache_for
+from .config import DynSpecConfig
+from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
+from .verification import verify_greedy, verify_sampling
+
+
+# ---- proposers ------------------------------------------------------------------------------------------------------
+class RequestProposer(ABC):
+    """Model-free draft tokens for the requests of a continuous batch, request by request."""
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        """A request starts decoding on `prompt` (its prompt tokens)."""
+
+    @abstractmethod
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """Up to `max_tokens` draft tokens continuing `tokens` (the request's prompt and output so far), and their
+        anchor: how many of the request's last tokens the continuation's source shares (0 without one)."""
+
+    def finish(self, request_id: str, tokens: list[int] | None) -> None:
+        """The request left: finished with `tokens` (prompt and output), or cancelled or failed (`None`)."""
+
+
+class LookupRequests(RequestProposer):
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last n-gram."""
+
+    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+        found, anchor = lookup_match(torch.tensor(tokens), self.max_ngram, self.min_ngram, max_tokens, MAX_ANCHOR)
+        return found.tolist(), anchor
+
+
+class SuffixRequests(RequestProposer):
+    """Suffix trees (`hf_dynspec.candidates.suffix`): each request's prompt, and every request's output as it is
+    written, so concurrent requests see each other's outputs and later ones find earlier ones."""
+
+    def __init__(self, cache: SuffixCache) -> None:
+        self.cache = cache
+        self._requests: dict[str, int] = {}  # request id -> the cache's id of it
+        self._written: dict[str, int] = {}  # request id -> its tokens the cache has
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        self._requests[request_id] = self.cache.start(prompt)
+        self._written[request_id] = len(prompt)
+
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+        self._write(request_id, tokens)
+        draft = self.cache.speculate(self._requests[request_id], tokens, max_tokens, tree=False)
+        return (list(draft.token_ids), int(draft.match_len)) if draft is not None else ([], 0)
+
+    def finish(self, request_id: str, tokens: list[int] | None) -> None:
+        if tokens is not None:
+            self._write(request_id, tokens)
+        self.cache.stop(self._requests.pop(request_id))
+        self._written.pop(request_id)
+
+    def _write(self, request_id: str, tokens: list[int]) -> None:
+        written = self._written[request_id]
+        if len(tokens) > written:
+            self.cache.extend(self._requests[request_id], tokens[written:])
+            self._written[request_id] = len(tokens)
+
+
+# ---- per-step decisions ---------------------------------------------------------------------------------------------
+@dataclass
+class SpeculationStats:
+    """What a speculating manager did, over its whole life (`SpeculativeManager.speculation`)."""
+
+    steps: int = 0  # forwards
+    decode_steps: int = 0  # forwards with at least one decoding request
+    drafting_steps: int = 0  # forwards in which a request drafted
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted
+    emitted_tokens: int = 0  # tokens decoding requests emitted (accepted ones and one per decoding request and step)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class _Row:
+    """A decoding request's part of the step being built."""
+
+    state: RequestState
+    slot: int  # the request's row id for the policy
+    requested: int  # draft tokens the policy asked for
+    draft: list[int] = field(default_factory=list)  # draft tokens the request verifies (after the scheduler's cut)
+
+
+class Speculator:
+    """The draft tokens of every decoding request each step, and what the policy learns from their verification.
+
+    Requests are rows for the policy: a request keeps its row id (`slot`) from its first decoding step to its end;
+    a finished request's row id goes to the next request, and the policy forgets that row (`forget_rows`).
+    """
+
+    def __init__(self, proposer: RequestProposer, policy: DraftLengthPolicy, max_draft_tokens: int) -> None:
+        self.proposer = proposer
+        self.policy = policy
+        self.max_draft_tokens = max_draft_tokens
+        self.stats = SpeculationStats()
+        self.rows: dict[str, _Row] = {}  # this step's decoding requests, by request id
+        self._known: dict[str, RequestState] = {}  # every request the proposer has started
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
+        self._prefilled = False  # the policy has seen a first forward (its prefill feedback)
+        self._draft_seconds = 0.0
+        self.policy.reset(0)
+
+    # ---- before the scheduler ----------------------------------------------------------------------------------------
+    def propose(self, active: dict[str, RequestState]) -> None:
+        """Give every decoding request of `active` its draft: its query becomes its newest token and the draft."""
+        start = time.perf_counter()
+        self._sync(active)
+        states = [s for s in active.values() if _decoding(s)]
+        self.rows = {}
+        if not states or not self._prefilled or self.max_draft_tokens == 0:
+            self.rows = {s.request_id: _Row(s, self._slot(s), 0) for s in states}
+            return
+        offers = [self._offer(state) for state in states]
+        request = PolicyInput(
+            step=self.stats.steps,
+            row_ids=torch.tensor([self._slot(s) for s in states], dtype=torch.long),
+            remaining_tokens=torch.tensor([_remaining(s) for s in states], dtype=torch.long),
+            max_draft_tokens=self.max_draft_tokens,
+            free_lengths=torch.tensor([len(found) for found, _ in offers], dtype=torch.long),
+            free_anchors=torch.tensor([anchor for _, anchor in offers], dtype=torch.long),
+        )
+        lengths = self.policy.draft_lengths(request).cpu()  # [decoding requests]
+        for state, (found, _), slot, length in zip(states, offers, request.row_ids.tolist(), lengths.tolist()):
+            length = max(0, min(int(length), _remaining(state) - 1))
+            row = _Row(state, slot, length, found[:length])
+            state.tokens_to_process = state.tokens_to_process[:1] + row.draft
+            self.rows[state.request_id] = row
+        self._draft_seconds = time.perf_counter() - start
+
+    def _offer(self, state: RequestState) -> tuple[list[int], int]:
+        tokens = state.initial_tokens + state.generated_tokens
+        return self.proposer.offer(state.request_id, tokens, min(self.max_draft_tokens, _remaining(state) - 1))
+
+    def _slot(self, state: RequestState) -> int:
+        if state.request_id not in self._slots:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[state.request_id] = slot
+            self.policy.forget_rows(torch.tensor([slot]))
+        return self._slots[state.request_id]
+
+    def _sync(self, active: dict[str, RequestState]) -> None:
+        """Start the proposer on requests that began decoding; end it, and free the row ids, of those that left."""
+        for request_id in [r for r in self._known if r not in active]:
+            state = self._known.pop(request_id)
+            finished = state.status == RequestStatus.FINISHED
+            self.proposer.finish(request_id, state.initial_tokens + state.generated_tokens if finished else None)
+            if request_id in self._slots:
+                self._free_slots.append(self._slots.pop(request_id))
+        for state in active.values():
+            if _decoding(state) and state.request_id not in self._known:
+                self._known[state.request_id] = state
+                self.proposer.start(state.request_id, list(state.initial_tokens))
+            elif state.request_id in self._known:
+                self._known[state.request_id] = state  # an offloaded request comes back as a new state
+
+    def finish_all(self) -> None:
+        """End every request the proposer knows (the manager stopped)."""
+        self._sync({})
+
+    # ---- after the scheduler ---------------------------------------------------------------------------------------
+    def settle(self, scheduled: list[FutureRequestState]) -> None:
+        """Keep the drafts of the requests the scheduler took (cut to what it took); give the others their newest
+        token back as their query."""
+        taken = {future.state.request_id: future for future in scheduled}
+        for request_id, row in list(self.rows.items()):
+            future = taken.get(request_id)
+            if future is None:
+                row.state.tokens_to_process = row.state.tokens_to_process[:1]
+                del self.rows[request_id]
+            else:
+                row.draft = row.draft[: future.query_length - 1]
+
+    @property
+    def drafting(self) -> bool:
+        return any(row.draft for row in self.rows.values())
+
+    # ---- after the forward -----------------------------------------------------------------------------------------
+    def observe(self, query_tokens: int, num_requests: int, seconds: float, accepted: dict[str, int]) -> None:
+        """Learn from a forward of `query_tokens` tokens over `num_requests` requests that took `seconds`: the first
+        one as the policy's prefill, the others as steps of their decoding requests (`accepted` draft tokens each)."""
+        self.stats.steps += 1
+        if not self._prefilled:
+            self.policy.observe_prefill(PrefillFeedback(num_requests, query_tokens, seconds, packed_verify=True))
+            self._prefilled = True
+            return
+        rows = list(self.rows.values())
+        if not rows:
+            return
+        drafted = torch.tensor([len(row.draft) for row in rows], dtype=torch.long)
+        taken = torch.tensor([accepted.get(row.state.request_id, 0) for row in rows], dtype=torch.long)
+        feedback = StepFeedback(
+            row_ids=torch.tensor([row.slot for row in rows], dtype=torch.long),
+            requested_lengths=torch.tensor([row.requested for row in rows], dtype=torch.long),
+            draft_lengths=drafted,
+            accepted=taken,
+            draft_seconds=self._draft_seconds,
+            verify_seconds=seconds,
+            target_tokens=query_tokens,
+            free_rows=drafted > 0,
+        )
+        self.policy.observe(feedback)
+        self.stats.decode_steps += 1
+        self.stats.drafting_steps += int(bool((drafted > 0).any()))
+        self.stats.draft_tokens += int(drafted.sum())
+        self.stats.accepted_tokens += int(taken.sum())
+        self.stats.emitted_tokens += int(taken.sum()) + len(rows)
+        self._draft_seconds = 0.0
+
+
+def _decoding(state: RequestState) -> bool:
+    """Whether the request decodes next step: its prompt is done and its query is its newest token."""
+    return (
+        state.status == RequestStatus.DECODING
+        and state.generated_len() > 0
+        and len(state.tokens_to_process) == 1
+        and not state.is_cpu_offloaded
+    )
+
+
+def _remaining(state: RequestState) -> int:
+    """Tokens the request may still emit."""
+    return max(0, state._new_tokens_limit - state.generated_len())
+
+
+# ---- transformers' scheduler, batch processor and manager -----------------------------------------------------------
+class DraftAwareScheduling:
+    """Mixed into a transformers scheduler: a decoding request's query is its newest token and its draft tokens.
+    When the cache cannot store them all, the draft is dropped; when the step's token budget cannot take them all,
+    the draft is cut. A decoding request is never split as a prompt would be."""
+
+    def _infer_request_tokens(self, state: RequestState, request_ids_to_remove_from_waiting: set[str]) -> list[int]:
+        tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
+        drafted = state.status == RequestStatus.DECODING and len(tokens) > 1
+        if drafted and not self.cache.can_store_request_tokens(state, len(tokens), dry_run=True):
+            state.tokens_to_process = tokens = tokens[:1]
+        return tokens
+
+    def _schedule_request(
+        self, state: RequestState, request_tokens: list[int], token_budget: int, request_ids_to_remove: set[str]
+    ) -> None:
+        if state.status == RequestStatus.DECODING and len(request_tokens) > token_budget:
+            state.tokens_to_process = request_tokens[:token_budget]
+            return
+        super()._schedule_request(state, request_tokens, token_budget, request_ids_to_remove)
+
+
+def draft_aware_scheduler(name: str) -> str:
+    """Register the draft-aware version of transformers' scheduler `name` in its `SCHEDULER_MAPPING`; its name."""
+    if name.startswith("dynspec_"):
+        return name
+    if name not in SCHEDULER_MAPPING:
+        raise ValueError(f"Unknown scheduler {name!r}; transformers has {sorted(SCHEDULER_MAPPING)}.")
+    base: type[Scheduler] = SCHEDULER_MAPPING[name]
+    speculative = f"dynspec_{name}"
+    if speculative not in SCHEDULER_MAPPING:
+        SCHEDULER_MAPPING[speculative] = type(f"DraftAware{base.__name__}", (DraftAwareScheduling, base), {})
+    return speculative
+
+
+@dataclass
+class _Verified:
+    """Tokens a drafting request emits this step, with their log-probabilities."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    accepted: int
+
+
+class SpeculativeBatchProcessor(ContinuousBatchProcessor):
+    """transformers' batch processor with the decoding requests' drafts verified in the step's forward."""
+
+    speculator: Speculator
+
+    @classmethod
+    def adopt(cls, processor: ContinuousBatchProcessor, speculator: Speculator) -> SpeculativeBatchProcessor:
+        """`processor`, built by transformers' manager, made speculative (its state is kept as built)."""
+        processor.__class__ = cls
+        processor.speculator = speculator
+        processor._scores = None
+        return processor
+
+    def prepare_next_batch(self) -> bool:
+        self.speculator.propose(self.scheduler.active_requests)
+        ready = super().prepare_next_batch()
+        self.speculator.settle(self.inputs_and_outputs.requests_in_batch if ready else [])
+        return ready
+
+    @torch.no_grad()
+    def _generation_step(self, model: torch.nn.Module) -> None:
+        start = time.perf_counter()
+        if self.speculator.drafting:
+            self._verify_forward(model)
+        else:
+            super()._generation_step(model)
+        self._forward_seconds = time.perf_counter() - start
+
+    def _verify_forward(self, model: torch.nn.Module) -> None:
+        """The step's forward, keeping the scores of every query position of a drafting request."""
+        ios = self.inputs_and_outputs
+        batch = ios.get_model_kwargs(use_padding=False)
+        indices, columns = self._score_positions(batch["cu_seq_lens_q"].tolist())
+        batch["logits_indices"] = indices
+        if self.model_runner.supports_logits_to_keep(model):
+            batch["logits_to_keep"] = indices
+        logits = model(**batch).logits  # [1, scored positions (or every query position), vocab]
+        if "logits_to_keep" not in batch:
+            logits = logits[:, indices]
+        scores = logits[0].float()  # [scored positions, vocab]
+        if self.logit_processor.do_processing:
+            arguments = batch["logits_processor_args"][:, columns]  # [arguments, scored positions]
+            scores = self.logit_processor(batch["input_ids"][0, indices], scores, arguments)
+        self._scores = scores
+
+    def _score_positions(self, cumulative: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query positions whose scores the step needs (a request's last one; every one of a drafting request), and
+        for each the index of its request among those that get a new token (the logits processors' argument column).
+        """
+        indices, columns = [], []
+        futures = [f for f, end in zip(self.inputs_and_outputs.requests_in_batch, cumulative[1:]) if f.has_new_token]
+        ends = [end for f, end in zip(self.inputs_and_outputs.requests_in_batch, cumulative[1:]) if f.has_new_token]
+        for column, (future, end) in enumerate(zip(futures, ends)):
+            width = 1 + len(self._draft(future))
+            indices.extend(range(end - width, end))
+            columns.extend([column] * width)
+        return torch.tensor(indices, dtype=torch.int32), torch.tensor(columns, dtype=torch.long)
+
+    def _draft(self, future: FutureRequestState) -> list[int]:
+        row = self.speculator.rows.get(future.state.request_id)
+        return row.draft if row is not None else []
+
+    def update_batch(self) -> None:
+        ios = self.inputs_and_outputs
+        futures = list(ios.requests_in_batch)
+        query_tokens = sum(future.query_length for future in futures)
+        accepted: dict[str, int] = {}
+        if self._scores is not None:
+            accepted = self._update_verified(futures)
+            self._scores = None
+        else:
+            super().update_batch()
+        self.speculator.observe(query_tokens, len(futures), self._forward_seconds, accepted)
+
+    def _update_verified(self, futures: list[FutureRequestState]) -> dict[str, int]:
+        """Emit the verified tokens of drafting requests; the other requests' tokens go through transformers' update."""
+        scores = self._scores
+        drafting, others, other_tokens, other_logprobs = [], [], [], []
+        offset = 0
+        for future in futures:
+            if not future.has_new_token:
+                others.append(future)
+                continue
+            draft = self._draft(future)
+            rows = scores[offset : offset + 1 + len(draft)]  # [1 + k, vocab]
+            offset += 1 + len(draft)
+            if draft:
+                drafting.append((future, draft, rows))
+            else:
+                token, logprob = self._sample(rows)
+                others.append(future)
+                other_tokens.append(token)
+                other_logprobs.append(logprob)
+        verified = self._verify(drafting)
+        outputs = [self._emit(future, result) for (future, _, _), result in zip(drafting, verified)]
+        self._hand_over(others, other_tokens, other_logprobs)
+        delivered = [output for output in outputs if output is not None]
+        if delivered:
+            self.output_router.deliver_batch(delivered)
+        return {future.state.request_id: result.accepted for (future, _, _), result in zip(drafting, verified)}
+
+    def _sample(self, rows: torch.Tensor) -> tuple[int, float | None]:
+        """A request's next token from its one scored position, as transformers' sampler draws it."""
+        probs = torch.softmax(rows[0], dim=-1) if self.do_sample or self.return_logprobs else rows[0]
+        token = int(torch.multinomial(probs, 1)) if self.do_sample else int(rows[0].argmax())
+        return token, float(probs[token].log()) if self.return_logprobs else None
+
+    def _verify(self, drafting: list[tuple[FutureRequestState, list[int], torch.Tensor]]) -> list[_Verified]:
+        """Greedy matching or rejection sampling of every drafting request's draft, in one batch."""
+        if not drafting:
+            return []
+        width = max(len(draft) for _, draft, _ in drafting)
+        vocab = drafting[0][2].shape[-1]
+        scores = torch.full((len(drafting), width + 1, vocab), float("-inf"))  # [requests, k + 1, vocab]
+        drafts = torch.zeros(len(drafting), width, dtype=torch.long)  # [requests, k]
+        for i, (_, draft, rows) in enumerate(drafting):
+            scores[i, : rows.shape[0]] = rows
+            drafts[i, : len(draft)] = torch.tensor(draft)
+        lengths = torch.tensor([len(draft) for _, draft, _ in drafting], dtype=torch.long)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [requests, k + 1, vocab]
+        if self.do_sample:
+            accepted, next_tokens = verify_sampling(probs, drafts, lengths, None)
+        else:
+            accepted, next_tokens = verify_greedy(scores, drafts, lengths)
+        results = []
+        for i, (_, draft, _) in enumerate(drafting):
+            a = int(accepted[i])
+            tokens = draft[:a] + [int(next_tokens[i])]
+            logprobs = None
+            if self.return_logprobs:
+                logprobs = [float(probs[i, j, token].log()) for j, token in enumerate(tokens)]
+            results.append(_Verified(tokens, logprobs, a))
+        return results
+
+    def _emit(self, future: FutureRequestState, result: _Verified) -> GenerationOutput | None:
+        """Append a drafting request's verified tokens, move its position back over the rejected ones and register
+        the blocks its accepted tokens completed; its output when it streams or finished."""
+        state = future.state
+        past = state.position_offset - future.query_length  # the request's cached positions before this step
+        finished = False
+        for j, token in enumerate(result.tokens):
+            finished = state.update_and_check_completion(token, result.logprobs[j] if result.logprobs else None)
+            if finished:
+                break
+        written = 1 + result.accepted  # the newest token and the accepted drafts are now in the cache
+        state.position_offset = past
+        complete = self.cache.count_new_complete_blocks(state, written)
+        state.position_offset = past + written
+        if finished:
+            self.scheduler.finish_request(state.request_id)
+            self.scheduler.block_new_requests = False
+        else:
+            self.cache.mark_complete_blocks(state, complete)
+        return state.to_generation_output() if state.streaming or finished else None
+
+    def _hand_over(self, futures: list[FutureRequestState], tokens: list[int], logprobs: list[float | None]) -> None:
+        """Run transformers' own update on the requests without a draft (prefill chunks, plain decoding, forks)."""
+        ios = self.inputs_and_outputs
+        ios.requests_in_batch = futures
+        ios.num_request_in_batch = len(futures)
+        if tokens:
+            ios.output_ids[0, : len(tokens)] = torch.tensor(tokens, dtype=ios.output_ids.dtype)
+            if self.return_logprobs:
+                values = torch.tensor(logprobs, dtype=torch.float32).view(torch.int32)
+                ios.output_ids[1, : len(tokens)] = values
+        if futures:
+            super().update_batch()
+
+
+class SpeculativeManager(ContinuousBatchingManager):
+    """transformers' `ContinuousBatchingManager` (same API: `add_request`, `get_result`, `request_id_iter`, `start`,
+    `stop`, ...) whose steps speculate. `speculation` holds what it drafted and accepted."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        generation_config: GenerationConfig,
+        continuous_batching_config: ContinuousBatchingConfig,
+        workload_hints: Any = None,
+        *,
+        speculator: Speculator,
+    ) -> None:
+        _check_attention(model)
+        super().__init__(model, generation_config, continuous_batching_config, workload_hints)
+        self.speculator = speculator
+        config = self.continuous_batching_config
+        _check_servable(config)
+        config.scheduler_type = draft_aware_scheduler(config.scheduler_type)
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        return self.speculator.stats
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        return SpeculativeBatchProcessor.adopt(super()._create_batch_processor(), self.speculator)
+
+    def stop(self, *args, **kwargs) -> None:
+        super().stop(*args, **kwargs)
+        if not self.is_running():
+            self.speculator.finish_all()
+
+
+def _check_attention(model: PreTrainedModel) -> None:
+    layer_types = group_layers_by_attn_type(model.config.get_text_config())
+    if SLIDING_ATTENTION in layer_types:
+        raise ValueError(
+            "Speculation under continuous batching needs full-attention layers: this model has sliding-window layers, "
+            "whose ring buffer in the paged cache cannot take back rejected draft tokens. Use `model.generate_batch` "
+            "without speculation, or `hf_dynspec.generate` (batched `generate`) for this model."
+        )
+
+
+def _check_servable(config: ContinuousBatchingConfig) -> None:
+    """A clear error for settings a speculating manager cannot serve."""
+    if config.use_async_batching:
+        raise ValueError(
+            "Speculation under continuous batching runs synchronous steps (the drafts of a step depend on the tokens "
+            "of the step before): pass `ContinuousBatchingConfig(use_async_batching=False)`."
+        )
+    if any(config.cuda_graph_booleans) or config.varlen_compile_config or config.decode_compile_config:
+        raise ValueError(
+            "Speculation under continuous batching runs its verify forwards eagerly: pass "
+            "`ContinuousBatchingConfig(use_cuda_graph=False)` and no compile configs."
+        )
+
+
+# ---- entry points ---------------------------------------------------------------------------------------------------
+def init_continuous_batching(
+    model: PreTrainedModel,
+    assistant_model: PreTrainedModel | None = None,
+    *,
+    prompt_lookup_num_tokens: int | None = None,
+    dynspec_config: DynSpecConfig | dict | str | None = None,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    workload_hints: Any = None,
+) -> SpeculativeManager:
+    """A continuous-batching manager for `model` whose steps speculate: `model.init_continuous_batching`'s manager
+    (start it, add requests, read results, stop it), with every decoding request's draft length chosen each step.
+
+    Drafts come from prompt lookup (`prompt_lookup_num_tokens`, the most draft tokens a request proposes in a step)
+    or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output (the
+    `suffix` extra). Greedy outputs equal those of `model.generate_batch`; sampled ones follow the same distribution.
+
+    Example:
+
+    ```python
+    >>> import hf_dynspec
+    >>> manager = hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=4)
+    >>> manager.start()
+    >>> request_id = manager.add_request(input_ids, max_new_tokens=64)
+    >>> output = next(manager.request_id_iter(request_id))
+    >>> manager.stop()
+    ```
+    """
+    if assistant_model is not None:
+        raise ValueError(
+            "Continuous batching speculates with model-free proposers for now: pass `prompt_lookup_num_tokens=N`, or "
+            "`dynspec_config=DynSpecConfig(proposer='suffix')`, instead of `assistant_model` (a draft model needs a "
+            "paged cache of its own). `hf_dynspec.generate` speculates with draft models."
+        )
+    config = DynSpecConfig.coerce(dynspec_config)
+    generation_config = generation_config if generation_config is not None else model.generation_config
+    if getattr(generation_config, "num_beams", 1) not in (None, 1):
+        raise ValueError("Continuous batching does not run beam search: set `num_beams=1`.")
+    proposer, max_draft = _request_proposer(model, config, prompt_lookup_num_tokens)
+    from .loop import _policy_for
+
+    policy = _policy_for(model, None, config, None, engine="continuous_batching")
+    speculator = Speculator(proposer, policy, max_draft)
+    return SpeculativeManager(
+        model,
+        generation_config,
+        continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig(),
+        workload_hints,
+        speculator=speculator,
+    )
+
+
+def _request_proposer(
+    model: PreTrainedModel, config: DynSpecConfig, prompt_lookup_num_tokens: int | None
+) -> tuple[RequestProposer, int]:
+    """The proposer the arguments ask for, and the most draft tokens a request proposes in a step."""
+    if config.proposer == "suffix":
+        if prompt_lookup_num_tokens is not None:
+            raise ValueError(
+                "DynSpecConfig(proposer='suffix') drafts from suffix trees: drop `prompt_lookup_num_tokens`."
+            )
+        c = config
+        settings = SuffixSettings(
+            c.suffix_max_depth, c.suffix_cache_outputs, c.suffix_cache_tokens, c.suffix_min_token_probability,
+            c.suffix_spec_factor,
+        )
+        return SuffixRequests(suffix_cache_for(model, settings)), config.num_speculative_tokens
+    if config.proposer != "auto":
+        raise ValueError(
+            f"DynSpecConfig(proposer={config.proposer!r}) needs a draft model, which continuous batching does not "
+            "take yet: use proposer='auto' with `prompt_lookup_num_tokens`, or proposer='suffix'."
+        )
+    if config.tree_node_budget:
+        raise ValueError("Continuous batching verifies chains: set `tree_node_budget=0` in the DynSpecConfig.")
+    if prompt_lookup_num_tokens is None:
+        raise ValueError(
+            "Say where draft tokens come from: `prompt_lookup_num_tokens=N` (prompt lookup, up to N tokens a step), "
+            "or `dynspec_config=DynSpecConfig(proposer='suffix')`."
+        )
+    if not isinstance(prompt_lookup_num_tokens, int) or prompt_lookup_num_tokens < 1:
+        raise ValueError(f"`prompt_lookup_num_tokens` must be a positive integer, got {prompt_lookup_num_tokens!r}.")
+    lookup = LookupRequests(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
+    return lookup, min(config.num_speculative_tokens, prompt_lookup_num_tokens)
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    *,
+    assistant_model: PreTrainedModel | None = None,
+    prompt_lookup_num_tokens: int | None = None,
+    dynspec_config: DynSpecConfig | dict | str | None = None,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """`model.generate_batch(inputs, ...)` with speculation: request id -> `GenerationOutput`, in input order.
+
+    Takes `model.generate_batch`'s other arguments (`max_new_tokens`, `record_timestamps`, `progress_bar`,
+    `persistent_manager`, ...) and the proposer arguments of `init_continuous_batching`.
+    """
+    if not inputs:
+        return {}
+    generation_config = generation_config if generation_config is not None else model.generation_config
+    manager = init_continuous_batching(
+        model,
+        assistant_model,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        dynspec_config=dynspec_config,
+        generation_config=generation_config,
+        continuous_batching_config=continuous_batching_config,
+        workload_hints=_workload_hints(inputs, generation_config, kwargs.get("max_new_tokens")),
+    )
+    # `model.generate_batch` runs the manager cached on the model: lend it ours for the call.
+    cached = getattr(model, "_cached_continuous_batching_manager", None)
+    model._cached_continuous_batching_manager = manager
+    try:
+        return model.generate_batch(inputs, generation_config=generation_config, **kwargs)
+    finally:
+        kept = kwargs.get("persistent_manager", False)
+        if not kept:
+            if cached is None:
+                model.__dict__.pop("_cached_continuous_batching_manager", None)
+            else:
+                model._cached_continuous_batching_manager = cached
+
+
+def _workload_hints(inputs: list[list[int]], generation_config: GenerationConfig, max_new_tokens: int | None) -> Any:
+    """transformers' sizing hints for `inputs`, as `model.generate_batch` gives them."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    new_tokens = max_new_tokens if max_new_tokens is not None else generation_config.max_new_tokens
+    returns = generation_config.num_return_sequences or 1
+    return WorkloadHints(
+        max_prompt_length=max(len(ids) for ids in inputs),
+        max_generated_length=new_tokens if new_tokens is not None else 0,
+        num_requests=len(inputs) * returns,
+    )

@@ -1,0 +1,241 @@
+"""Speculation under transformers' continuous batching (`hf_dynspec.generate_batch`, `init_continuous_batching`):
+greedy identity with `model.generate_batch` over many shapes, exact sampling, the manager's API (streaming,
+cancellation, no blocks left behind) and clear errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_sampling import LOOP_NEW, VOCAB, assert_converges, exact_joint, small_vocab_pair, windows  # noqa: F401
+from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.suffix import clear_suffix_caches
+from hf_dynspec.continuous import SpeculativeManager
+
+
+def cb_config(page_size: int = 16, num_blocks: int = 64, max_batch_tokens: int = 256, **kwargs):
+    """A small paged cache: its size does not depend on the machine's memory."""
+    return ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, **kwargs
+    )
+
+
+def greedy(max_new_tokens: int, **kwargs) -> GenerationConfig:
+    settings = {"eos_token_id": 1, "pad_token_id": 0} | kwargs
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, **settings)
+
+
+def repetitive_prompts(lengths: list[int], seed: int, copies: int = 1) -> list[list[int]]:
+    """Prompts over a small alphabet (so n-grams recur), each `copies` times in a row (TRL's layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [(torch.randint(0, 7, (n,), generator=generator) + 3).tolist() for n in lengths]
+    return [prompt for prompt in prompts for _ in range(copies)]
+
+
+def run(manager: SpeculativeManager, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> dict[str, list[int]]:
+    """Every prompt through a started manager: request id -> generated tokens. Checks that no block is left."""
+    ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens, **kwargs)
+    outputs = {}
+    deadline = time.monotonic() + 120
+    while len(outputs) < len(ids) and time.monotonic() < deadline:
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            assert result.error is None, result.error
+            outputs[result.request_id] = result.generated_tokens
+    assert len(outputs) == len(ids), "the manager did not finish every request"
+    assert_no_blocks_held(manager)
+    return {request_id: outputs[request_id] for request_id in ids}
+
+
+def assert_no_blocks_held(manager) -> None:
+    """No request holds a block of the paged cache (finished and cancelled ones gave theirs back)."""
+    deadline = time.monotonic() + 10
+    cache = manager.batch_processor.cache
+    while time.monotonic() < deadline and any(a.block_table for a in cache.cache_allocators.values()):
+        time.sleep(0.05)
+    held = {name: list(a.block_table) for name, a in cache.cache_allocators.items() if a.block_table}
+    assert not held, f"requests still hold blocks: {held}"
+
+
+def speculating(model, *, generation_config, cb=None, **kwargs) -> SpeculativeManager:
+    manager = hf_dynspec.init_continuous_batching(
+        model, generation_config=generation_config, continuous_batching_config=cb or cb_config(), **kwargs
+    )
+    manager.start()
+    return manager
+
+
+CASES = [
+    # family, proposer, policy, page size, step token budget, prompt lengths, copies, new tokens
+    ("llama", "lookup", "static", 16, 256, [5, 9, 13, 7], 1, 80),
+    ("llama", "lookup", "goodput", 16, 256, [5, 9, 13, 7], 1, 80),
+    ("llama", "lookup", "static", 4, 256, [6, 11, 3], 2, 70),
+    ("llama", "lookup", "static", 4, 12, [6, 11, 17, 3, 9], 1, 60),
+    ("llama", "suffix", "static", 8, 256, [8, 12], 3, 36),
+    ("llama", "suffix", "goodput", 8, 256, [8, 12], 3, 36),
+    ("llama", "suffix", "static", 4, 10, [5, 9, 14], 2, 25),
+    ("qwen2", "lookup", "static", 16, 256, [5, 9, 13, 7], 1, 80),
+    ("qwen2", "lookup", "static", 4, 16, [10, 4, 8, 12], 2, 61),
+    ("qwen2", "suffix", "static", 8, 256, [7, 10, 5], 2, 35),
+    ("qwen2", "suffix", "goodput", 4, 20, [7, 10, 5], 3, 28),
+]
+
+
+@pytest.mark.parametrize(("family", "proposer", "policy", "page", "budget", "lengths", "copies", "new"), CASES)
+def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, budget, lengths, copies, new):
+    """Request by request, the tokens of plain `generate_batch`: small pages put draft tokens across block
+    boundaries, small step budgets cut drafts, repeated prompts share prefix blocks, and a second pass of the same
+    prompts drafts from the first one's outputs (suffix trees)."""
+    model = tiny_model(family, seed=0)
+    prompts = repetitive_prompts(lengths, seed=len(lengths) + copies, copies=copies)
+    config = greedy(new)
+    expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(page))
+    expected = [output.generated_tokens for output in expected.values()]
+    clear_suffix_caches(model)
+    kwargs = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
+    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if proposer == "suffix" else "auto")
+    manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
+                          dynspec_config=spec, **kwargs)
+    try:
+        for attempt in range(2):
+            got = list(run(manager, prompts, new).values())
+            for row, (want, have) in enumerate(zip(expected, got)):
+                assert have == want, f"pass {attempt}, request {row}"
+    finally:
+        manager.stop(block=True)
+    stats = manager.speculation
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0, stats
+    assert stats.emitted_tokens > 0
+
+
+def test_generate_batch_matches_plain_and_leaves_no_manager_behind():
+    model = tiny_model("llama", seed=1)
+    prompts = repetitive_prompts([6, 10, 4], seed=3)
+    config = greedy(24)
+    expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config())
+    got = hf_dynspec.generate_batch(
+        model, prompts, prompt_lookup_num_tokens=3, generation_config=config, continuous_batching_config=cb_config(),
+    )
+    assert list(got) == list(expected)
+    assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in expected.values()]
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None
+    again = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config())
+    assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in expected.values()]
+
+
+def test_logprobs_and_timestamps_cover_every_emitted_token():
+    model = tiny_model("llama", seed=1)
+    prompts = repetitive_prompts([6, 9], seed=5, copies=2)
+    config = greedy(30)
+    plain = model.generate_batch(prompts, generation_config=config,
+                                 continuous_batching_config=cb_config(return_logprobs=True), record_timestamps=True)
+    spec = hf_dynspec.generate_batch(
+        model, prompts, prompt_lookup_num_tokens=4, dynspec_config={"policy": "static"}, generation_config=config,
+        continuous_batching_config=cb_config(return_logprobs=True), record_timestamps=True,
+    )
+    for want, have in zip(plain.values(), spec.values()):
+        assert have.generated_tokens == want.generated_tokens
+        assert len(have.logprobs) == len(have.generated_tokens) == len(have.timestamps)
+        torch.testing.assert_close(torch.tensor(have.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_streaming_outputs_grow_to_the_final_one():
+    model = tiny_model("llama", seed=1)
+    prompt = repetitive_prompts([9], seed=2)[0]
+    config = greedy(30)
+    expected = model.generate_batch([prompt], generation_config=config, continuous_batching_config=cb_config())
+    manager = speculating(model, generation_config=config, prompt_lookup_num_tokens=4,
+                          dynspec_config={"policy": "static"})
+    try:
+        request_id = manager.add_request(prompt, max_new_tokens=30, streaming=True)
+        seen = [list(output.generated_tokens) for output in manager.request_id_iter(request_id)]
+    finally:
+        manager.stop(block=True)
+    assert seen[-1] == next(iter(expected.values())).generated_tokens
+    assert all(later[: len(earlier)] == earlier for earlier, later in zip(seen, seen[1:]))
+    assert len(seen) < len(seen[-1]), "no step emitted more than one token"
+
+
+def test_a_cancelled_request_leaves_no_blocks_and_others_finish():
+    model = tiny_model("llama", seed=1)
+    prompts = repetitive_prompts([7, 11], seed=4)
+    config = greedy(200, eos_token_id=-1)  # no EOS: the long request runs until cancelled
+    manager = speculating(model, generation_config=config, cb=cb_config(page_size=4), prompt_lookup_num_tokens=4,
+                          dynspec_config={"policy": "static"})
+    try:
+        long_id = manager.add_request(prompts[0], max_new_tokens=200, streaming=True)
+        first = next(manager.request_id_iter(long_id))
+        assert not first.is_finished()
+        manager.cancel_request(long_id)
+        finished = run(manager, [prompts[1]], 20)
+        assert len(next(iter(finished.values()))) == 20
+        assert_no_blocks_held(manager)
+        assert long_id not in manager.speculator._known
+    finally:
+        manager.stop(block=True)
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "suffix"])
+def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
+    """Sampled requests (temperature) speculate and follow the target's joint law of their tokens."""
+    target, _ = small_vocab_pair
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    temperature = 0.9
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    with torch.no_grad():
+        joint = exact_joint(target, torch.tensor(prompt), processors, LOOP_NEW).reshape([VOCAB] * LOOP_NEW)
+    laws = {"first": joint.sum(dim=(3, 4)).reshape(-1), "last": joint.sum(dim=(0, 1)).reshape(-1)}
+    config = GenerationConfig(max_new_tokens=LOOP_NEW, do_sample=True, temperature=temperature, top_k=None,
+                              top_p=None, eos_token_id=None, pad_token_id=0)
+    kwargs = {"prompt_lookup_num_tokens": 3} if proposer == "lookup" else {}
+    spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer="auto" if proposer == "lookup" else
+                         "suffix", suffix_min_token_probability=0.0)
+    cb = cb_config(page_size=16, num_blocks=512, max_batch_tokens=2048, max_requests_per_batch=256)
+    manager = speculating(target, generation_config=config, cb=cb, dynspec_config=spec, **kwargs)
+    samples: dict[int, torch.Tensor] = {}
+    powers = torch.tensor([VOCAB**i for i in reversed(range(LOOP_NEW))])
+
+    def draw(n: int) -> torch.Tensor:
+        if n not in samples:
+            outputs = run(manager, [prompt] * n, LOOP_NEW)
+            samples[n] = (torch.tensor(list(outputs.values())) * powers).sum(dim=1)
+        return samples[n]
+
+    torch.manual_seed(0)
+    try:
+        for window, law in laws.items():
+            assert_converges(lambda n, window=window: windows(draw(n))[window], law, sizes=(100, 1_000, 6_000))
+    finally:
+        manager.stop(block=True)
+    assert manager.speculation.draft_tokens > 0 and manager.speculation.accepted_tokens > 0
+
+
+def test_requests_that_cannot_speculate_get_clear_errors():
+    model = tiny_model("llama", seed=1)
+    config = greedy(8)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=N"):
+        hf_dynspec.init_continuous_batching(model, generation_config=config)
+    with pytest.raises(ValueError, match="model-free proposers"):
+        hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2), generation_config=config)
+    with pytest.raises(ValueError, match="positive integer"):
+        hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=0, generation_config=config)
+    with pytest.raises(ValueError, match="tree_node_budget=0"):
+        hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2, generation_config=config,
+                                            dynspec_config={"tree_node_budget": 4})
+    with pytest.raises(ValueError, match="drop `prompt_lookup_num_tokens`"):
+        hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2, generation_config=config,
+                                            dynspec_config={"proposer": "suffix"})
+    with pytest.raises(ValueError, match="beam search"):
+        hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2,
+                                            generation_config=greedy(8, num_beams=2))
+    with pytest.raises(ValueError, match="use_async_batching=False"):
+        hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2, generation_config=config,
+                                            continuous_batching_config=cb_config(use_async_batching=True))
+    sliding = tiny_model("qwen2", seed=1, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        hf_dynspec.init_continuous_batching(sliding, prompt_lookup_num_tokens=2, generation_config=config)
