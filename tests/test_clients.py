@@ -44,6 +44,13 @@ def test_grpo_trains_with_a_bound_draft_and_with_a_lora_target(tmp_path):
         assert record["peft"] == model
 
 
+def test_grpo_rollouts_through_continuous_batching_speculate(tmp_path):
+    """TRL's `use_transformers_continuous_batching` rollouts (`model.generate_batch`) of an enabled model speculate
+    from suffix trees: the sibling samples of each prompt and the earlier steps' outputs."""
+    (record,) = _run([sys.executable, str(WORKER), str(tmp_path), "cb"], tmp_path)["cb"]
+    _check_rollouts(record)
+
+
 def test_grpo_under_accelerate_launch_on_two_processes(tmp_path):
     # `--multi_gpu` is accelerate's torch.distributed launcher; on a machine without GPUs (and `use_cpu=True`) the
     # processes join a gloo group (`--cpu` would launch a single process)

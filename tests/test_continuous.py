@@ -239,3 +239,26 @@ def test_requests_that_cannot_speculate_get_clear_errors():
     sliding = tiny_model("qwen2", seed=1, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window layers"):
         hf_dynspec.init_continuous_batching(sliding, prompt_lookup_num_tokens=2, generation_config=config)
+
+
+def test_an_enabled_model_speculates_in_its_own_generate_batch():
+    """`enable` with a suffix config makes `model.generate_batch` (TRL's continuous-batching rollouts, `transformers
+    serve`) speculate; without a model-free proposer, and after `disable`, transformers' manager runs."""
+    model = tiny_model("llama", seed=0)
+    prompts = repetitive_prompts([8, 12], seed=3, copies=2)
+    config = greedy(30)
+    expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config())
+    hf_dynspec.enable(model, dynspec_config=DynSpecConfig(proposer="suffix", policy="static"))
+    try:
+        for _ in range(2):  # the second call drafts from the first one's outputs
+            got = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(),
+                                       persistent_manager=True)
+            assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in expected.values()]
+        manager = model._cached_continuous_batching_manager
+        assert isinstance(manager, SpeculativeManager) and manager.speculation.accepted_tokens > 0
+        model.destroy_cached_continuous_batching_manager()
+    finally:
+        hf_dynspec.disable(model)
+    plain = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config())
+    assert not isinstance(plain, SpeculativeManager)
+

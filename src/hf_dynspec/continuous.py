@@ -114,6 +114,7 @@ class SuffixRequests(RequestProposer):
 class SpeculationStats:
     """What a speculating manager did, over its whole life (`SpeculativeManager.speculation`)."""
 
+    requests: int = 0  # requests that decoded
     steps: int = 0  # forwards
     decode_steps: int = 0  # forwards with at least one decoding request
     drafting_steps: int = 0  # forwards in which a request drafted
@@ -206,6 +207,7 @@ class Speculator:
             if _decoding(state) and state.request_id not in self._known:
                 self._known[state.request_id] = state
                 self.proposer.start(state.request_id, list(state.initial_tokens))
+                self.stats.requests += 1
             elif state.request_id in self._known:
                 self._known[state.request_id] = state  # an offloaded request comes back as a new state
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import DynSpecConfig
 from .loop import speculative_loop
@@ -141,7 +141,8 @@ def enable(
     tokenizer: PreTrainedTokenizerBase | None = None,
     assistant_tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> PreTrainedModel:
-    """Route `model.generate` through hf_dynspec, optionally with a draft bound to the model.
+    """Route `model.generate` (and `model.init_continuous_batching`) through hf_dynspec, optionally with a draft bound
+    to the model.
 
     Without `assistant_model`, calls that bring a proposer (`assistant_model=draft` or `prompt_lookup_num_tokens=n`,
     or a `dynspec_config` bound or given with `proposer='suffix'`) speculate and every other call runs transformers'
@@ -149,6 +150,11 @@ def enable(
     so callers that pass only a `GenerationConfig` (TRL's trainers, lm-evaluation-harness, pipelines) speculate too. A call's own `assistant_model`,
     `prompt_lookup_num_tokens` or `dynspec_config` wins over what is bound; calls the loop cannot serve (beam search,
     several greedy sequences per prompt) and calls with their own `custom_generate` run transformers' `generate`.
+
+    Continuous batching (`model.generate_batch`, `model.init_continuous_batching()`, TRL's
+    `use_transformers_continuous_batching`, `transformers serve --continuous-batching`) speculates when a model-free
+    proposer is named: a bound `dynspec_config` with proposer='suffix', or `prompt_lookup_num_tokens` in the
+    generation config; a bound draft model alone leaves it as transformers runs it (see `hf_dynspec.continuous`).
 
     A PEFT model (`PeftModel` with LoRA or other adapters that change weights, not prompt learning) is enabled on its
     base model, whose layers hold the adapters, so `peft_model.generate` reaches the loop through peft's own
@@ -187,10 +193,14 @@ def enable(
 
 
 def _wrap_generate(target: PreTrainedModel) -> None:
-    """Replace `target.generate` (this object only) with one that consults the model's binding. It is a method bound
-    to `target`, so a `copy.deepcopy` of the model (a trainer's reference model) generates with the copy."""
+    """Replace `target.generate` and `target.init_continuous_batching` (this object only) with ones that consult the
+    model's binding. They are methods bound to `target`, so a `copy.deepcopy` of the model (a trainer's reference
+    model) generates with the copy. transformers' `generate_batch` and `transformers serve` start their continuous
+    batching through `init_continuous_batching`, so they speculate too."""
     target._dynspec_original_generate = target.generate
     target.generate = types.MethodType(_dynspec_generate, target)
+    if hasattr(target, "init_continuous_batching"):
+        target.init_continuous_batching = types.MethodType(_dynspec_init_continuous_batching, target)
 
 
 def _dynspec_generate(self: PreTrainedModel, *args, **kwargs):
@@ -199,6 +209,30 @@ def _dynspec_generate(self: PreTrainedModel, *args, **kwargs):
     if _wants_speculation(self, bound):
         return generate(self, *args, **bound)
     return self._dynspec_original_generate(*args, **kwargs)
+
+
+def _dynspec_init_continuous_batching(
+    self: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: Any = None,
+    workload_hints: Any = None,
+):
+    """`init_continuous_batching` of an enabled model: a speculating manager (`hf_dynspec.continuous`) when the
+    binding or the generation config names a model-free proposer (a `dynspec_config` with proposer='suffix', or
+    `prompt_lookup_num_tokens`), else transformers' own. A manager cached on the model (`persistent_manager=True`)
+    is reused as transformers reuses it. A bound draft model alone does not speculate under continuous batching."""
+    original = type(self).init_continuous_batching
+    lookup = _setting(self, {"generation_config": generation_config}, "prompt_lookup_num_tokens")
+    config = self._dynspec_binding.dynspec_config
+    suffix = config is not None and DynSpecConfig.coerce(config).proposer == "suffix"
+    if getattr(self, "_cached_continuous_batching_manager", None) is not None or (lookup is None and not suffix):
+        return original(self, generation_config, continuous_batching_config, workload_hints)
+    from .continuous import init_continuous_batching
+
+    return init_continuous_batching(
+        self, prompt_lookup_num_tokens=lookup, dynspec_config=config, generation_config=generation_config,
+        continuous_batching_config=continuous_batching_config, workload_hints=workload_hints,
+    )
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
@@ -211,6 +245,7 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
         del target.__dict__["generate"]
     if getattr(original, "__self__", None) is not target:
         target.generate = original  # it was an instance attribute before enable (e.g. a Hub custom_generate)
+    target.__dict__.pop("init_continuous_batching", None)
     target._dynspec_original_generate = None
     target._dynspec_binding = None
     return model
