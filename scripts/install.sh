@@ -14,4 +14,4 @@ if ! $PYTHON -c "import arctic_inference.suffix_decoding" >/dev/null 2>&1; then
   $PIP install --quiet cmake ninja "nanobind==2.9.2" grpcio-tools "protobuf==5.29.6" setuptools wheel
   $PIP install --quiet --no-build-isolation "arctic-inference>=0.3,<0.4"
 fi
-$PIP install --quiet -e ".[dev,clients,evaluation,docs,bitsandbytes,suffix]"
+$PIP install --quiet -e ".[dev,clients,evaluation,docs,bitsandbytes,suffix,serving]"

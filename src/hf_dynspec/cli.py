@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "hf_dynspec.commands.bench",
     "hf_dynspec.commands.demo",
     "hf_dynspec.commands.export_hub",
+    "hf_dynspec.commands.serve",
 ]
 
 
