@@ -8,6 +8,7 @@ hf-dynspec bench --scenario long-tail --out long_tail.json
 hf-dynspec bench --scenario rollout --out rollout.json --plots plots/
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
 hf-dynspec bench --scenario offload --out offload.json
+hf-dynspec bench --scenario serve --out serve.json --plots plots/
 hf-dynspec bench --draft qwen2.5-coder-0.5b@8bit --target-dtype bfloat16 --batch-sizes 1
 hf-dynspec bench --target-dtype float32 --batch-sizes 1 --methods plain,dynspec-goodput/fp32,dynspec-goodput/4bit
 ```
@@ -39,6 +40,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,4,16, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates such as 0.1,0.5,2, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive request rates, got {text!r}")
     return values
 
 
@@ -118,6 +129,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="Acceptance rate assumed when deriving the table from a profile.")
     parser.add_argument("--output-lengths", choices=OUTPUT_LENGTHS,
                         help="eos: rows stop at EOS; long-tail: each row also gets its own long-tailed budget.")
+    parser.add_argument("--rates", type=_rate_list,
+                        help="Serve scenario: comma-separated request rates per second (default: 0.25, 0.5, 1 and 2 "
+                             "times the plain manager's measured capacity).")
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="Tokens of the untimed warm-up run (0: none).")
     parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
@@ -161,6 +175,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         tiny=args.tiny,
         dtype=args.dtype,
         scenario=args.scenario,
+        rates=args.rates,
         **preset,
     )
 
@@ -174,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_from_args(args)
+        if settings.scenario == "serve":
+            return _run_serve(settings, args)
         results = run_benchmark(settings, progress=not args.quiet)
     except (ValueError, MethodError) as error:
         raise SystemExit(f"hf-dynspec bench: {error}") from error
@@ -194,3 +211,19 @@ def run(args: argparse.Namespace) -> int:
         for path in write_plots(results, args.plots):
             print(f"Plot: {path}")
     return 0
+
+
+def _run_serve(settings, args: argparse.Namespace) -> int:
+    """The serve scenario: its table, JSON and latency/TPOT plot."""
+    from ..evaluation.serve import plot_serve, run_serve, serve_table
+
+    results = run_serve(settings, progress=not args.quiet)
+    print(serve_table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"\nResults: {args.out}")
+    if args.plots:
+        print(f"Plot: {plot_serve(results, args.plots / 'serve_latency.png')}")
+    return 0
+

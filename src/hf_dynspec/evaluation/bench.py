@@ -101,6 +101,16 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         top_p=1.0,
         top_k=0,
     ),
+    "serve": dict(
+        # requests arriving at random times (Poisson) into transformers' continuous batching, at a sweep of rates up
+        # to saturation (`hf_dynspec.evaluation.serve`); greedy, each request ending at its own EOS
+        dataset="sharegpt",
+        num_prompts=16,
+        batch_sizes=[16],
+        max_new_tokens=64,
+        methods="cb-plain,cb-suffix-static:4,cb-suffix",
+        output_lengths="eos",
+    ),
 }
 """Presets for the documented scenarios; explicit settings override them."""
 
@@ -157,6 +167,8 @@ class BenchSettings:
     top_p: float | None = None
     top_k: int | None = None
     scenario: str | None = None
+    rates: list[float] | None = None
+    """Serve scenario: request rates (requests/s); `None`: shares of the plain manager's measured capacity."""
     loaded_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Filled by `load_inputs`: per model the requested and resolved dtype and the placement options used."""
 

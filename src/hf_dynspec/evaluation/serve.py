@@ -1,0 +1,297 @@
+"""The serve scenario: requests arriving at random times into transformers' continuous batching, with and without
+speculation, at a sweep of request rates up to saturation.
+
+Each rate has one arrival trace (Poisson: exponential gaps, a fixed seed), the same for every method. A method is
+plain continuous batching (`cb-plain`, `model.init_continuous_batching`), or a speculating manager
+(`hf_dynspec.init_continuous_batching`) with a proposer and a policy:
+
+- `cb-suffix`, `cb-lookup:N`: suffix trees or prompt lookup (up to N tokens), draft lengths from the goodput policy;
+- `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting up to K tokens.
+
+Per request: latency (arrival to last token), time to first token, time per output token after the first. Per run:
+output tokens per second from the first arrival to the last token. The default rates are shares of the plain
+manager's capacity, measured first: every request at once, requests per second. SmartSpec (arXiv 2406.14066) plots
+mean latency against the rate; `plot_serve` draws that figure and time per output token beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+DEFAULT_RATE_SHARES = (0.25, 0.5, 1.0, 2.0)
+"""Default request rates, as shares of the plain manager's capacity (requests per second with every request at
+once): from a mostly idle server to twice what it can serve."""
+
+
+@dataclass(frozen=True)
+class ServeMethod:
+    """A way to serve: plain continuous batching, or speculation from `proposer` sized by `policy`."""
+
+    name: str
+    proposer: str | None = None  # "suffix" or "lookup"; None: plain
+    policy: str = "goodput"
+    tokens: int = 4  # most draft tokens a request proposes in a step
+
+    @classmethod
+    def parse(cls, name: str) -> ServeMethod:
+        """`cb-plain`, `cb-suffix[-static][:K]` or `cb-lookup[-static][:K]`."""
+        if name == "cb-plain":
+            return cls(name)
+        base, _, tokens = name.partition(":")
+        parts = base.split("-")
+        if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in ("suffix", "lookup") or (
+            len(parts) == 3 and parts[2] != "static"
+        ):
+            raise ValueError(
+                f"Unknown serve method {name!r}: use cb-plain, cb-suffix[-static][:K] or cb-lookup[-static][:K]."
+            )
+        if tokens and (not tokens.isdigit() or int(tokens) < 1):
+            raise ValueError(f"Serve method {name!r}: the number after ':' must be a positive integer.")
+        policy = "static" if len(parts) == 3 else "goodput"
+        return cls(name, parts[1], policy, int(tokens) if tokens else 4)
+
+    def manager(self, model: torch.nn.Module, generation_config: Any, cb_config: Any):
+        """A started manager for this method."""
+        if self.proposer is None:
+            manager = model.init_continuous_batching(
+                generation_config=generation_config, continuous_batching_config=cb_config
+            )
+        else:
+            from ..candidates.suffix import clear_suffix_caches
+            from ..config import DynSpecConfig
+            from ..continuous import init_continuous_batching
+
+            clear_suffix_caches(model)  # every run starts from an empty cache: the trace's prompts repeat across runs
+            config = DynSpecConfig(num_speculative_tokens=self.tokens, policy=self.policy,
+                                   proposer="suffix" if self.proposer == "suffix" else "auto")
+            lookup = self.tokens if self.proposer == "lookup" else None
+            manager = init_continuous_batching(
+                model, prompt_lookup_num_tokens=lookup, dynspec_config=config, generation_config=generation_config,
+                continuous_batching_config=cb_config,
+            )
+        manager.start()
+        return manager
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which `count` requests arrive at `rate` per second (Poisson; `inf`: all at 0)."""
+    if rate == float("inf"):
+        return [0.0] * count
+    generator = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += generator.expovariate(rate)
+    return times
+
+
+def run_trace(manager: Any, prompts: list[list[int]], arrivals: list[float], max_new_tokens: int) -> dict[str, Any]:
+    """Send `prompts[i]` at `arrivals[i]` seconds; per request its tokens, latency, TTFT and TPOT, and the run's
+    output tokens per second."""
+    if len(prompts) != len(arrivals):
+        raise ValueError(f"{len(prompts)} prompts and {len(arrivals)} arrival times: give one arrival per prompt.")
+    start = time.perf_counter()
+    for index, (prompt, arrival) in enumerate(zip(prompts, arrivals)):
+        time.sleep(max(0.0, start + arrival - time.perf_counter()))
+        manager.add_request(prompt, request_id=f"r{index}", max_new_tokens=max_new_tokens, record_timestamps=True)
+    outputs = {}
+    while len(outputs) < len(prompts):
+        output = manager.get_result(timeout=600)
+        if output is None:
+            raise RuntimeError("The continuous-batching manager stopped answering before every request finished.")
+        if output.is_finished():
+            if output.error is not None:
+                raise RuntimeError(f"Request {output.request_id} failed: {output.error}")
+            outputs[output.request_id] = output
+    requests = [_request_metrics(outputs[f"r{i}"]) for i in range(len(prompts))]
+    end = max(output.timestamps[-1] for output in outputs.values() if output.timestamps)
+    tokens = sum(len(r["tokens"]) for r in requests)
+    return {"requests": requests, "tokens_per_s": tokens / (end - start)}
+
+
+def _request_metrics(output: Any) -> dict[str, Any]:
+    stamps, arrival = output.timestamps or [], output.created_time
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return {
+        "tokens": list(output.generated_tokens),
+        "latency_s": stamps[-1] - arrival if stamps else None,
+        "ttft_s": stamps[0] - arrival if stamps else None,
+        "tpot_s": tpot,
+    }
+
+
+def summarize(run: dict[str, Any]) -> dict[str, float]:
+    """Mean latency, TTFT and TPOT of a run's requests, and its output tokens per second."""
+    requests = run["requests"]
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in requests if r[key] is not None]
+        return statistics.fmean(values) if values else float("nan")
+
+    return {"latency_s": mean("latency_s"), "ttft_s": mean("ttft_s"), "tpot_s": mean("tpot_s"),
+            "tokens_per_s": run["tokens_per_s"]}
+
+
+def run_serve_benchmark(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    methods: list[ServeMethod],
+    *,
+    max_new_tokens: int,
+    rates: list[float] | None,
+    repetitions: int,
+    seed: int,
+    cb_config: dict[str, Any],
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every method at every rate, `repetitions` times (methods rotated), on one arrival trace per rate; greedy.
+
+    Returns the rates, each run's per-request metrics and speculation counts, the medians over repetitions per
+    (method, rate), and each method's token mismatches against `cb-plain` request by request.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.update(do_sample=False, max_new_tokens=max_new_tokens, temperature=None, top_p=None,
+                             top_k=None)
+    plain = ServeMethod.parse("cb-plain")
+
+    def serve(method: ServeMethod, arrivals: list[float]) -> dict[str, Any]:
+        manager = method.manager(model, generation_config, ContinuousBatchingConfig(**cb_config))
+        try:
+            run = run_trace(manager, prompts[: len(arrivals)], arrivals, max_new_tokens)
+        finally:
+            manager.stop(block=True)
+        stats = getattr(manager, "speculation", None)
+        run["speculation"] = None if stats is None else {
+            "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
+            "drafting_steps": stats.drafting_steps, "decode_steps": stats.decode_steps,
+        }
+        return run
+
+    for method in methods:  # warm-up: a short untimed run of each method
+        serve(method, [0.0] * min(2, len(prompts)))
+    burst = serve(plain, [0.0] * len(prompts))
+    capacity = len(prompts) / max(r["latency_s"] for r in burst["requests"])
+    rates = sorted(rates) if rates else [share * capacity for share in DEFAULT_RATE_SHARES]
+    runs = []
+    schedule = [(rep, rate, shift) for rep in range(repetitions) for shift, rate in enumerate(rates)]
+    for rep, rate, shift in tqdm(schedule, desc="serve runs", disable=not progress):
+        arrivals = arrival_times(len(prompts), rate, seed + rates.index(rate))
+        order = methods[(rep + shift) % len(methods):] + methods[: (rep + shift) % len(methods)]
+        for method in order:
+            run = serve(method, arrivals)
+            runs.append({"method": method.name, "rate": rate, "repetition": rep, **run})
+    return {
+        "capacity_requests_per_s": capacity,
+        "rates": rates,
+        "runs": runs,
+        "summary": _summary(runs, methods, rates),
+        "mismatches": _mismatches(runs),
+    }
+
+
+def _summary(runs: list[dict[str, Any]], methods: list[ServeMethod], rates: list[float]) -> list[dict[str, Any]]:
+    """Per (method, rate): the median over repetitions of each run's means."""
+    rows = []
+    for rate in rates:
+        for method in methods:
+            mine = [summarize(r) for r in runs if r["method"] == method.name and r["rate"] == rate]
+            if mine:
+                rows.append({"method": method.name, "rate": rate,
+                             **{key: statistics.median(m[key] for m in mine) for key in mine[0]}})
+    return rows
+
+
+def _mismatches(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """Per method: requests whose tokens differ from cb-plain's for the same prompt, over every run."""
+    reference = next((r["requests"] for r in runs if r["method"] == "cb-plain"), None)
+    counts: dict[str, int] = {}
+    for run in runs:
+        if reference is None:
+            break
+        wrong = sum(a["tokens"] != b["tokens"] for a, b in zip(run["requests"], reference))
+        counts[run["method"]] = counts.get(run["method"], 0) + wrong
+    return counts
+
+
+def serve_table(results: dict[str, Any]) -> str:
+    """Markdown: per rate and method, mean latency (and against cb-plain), TTFT, TPOT and output tokens/s."""
+    rows = results["summary"]
+    plain = {r["rate"]: r["latency_s"] for r in rows if r["method"] == "cb-plain"}
+    lines = [
+        f"Serving (plain capacity {results['capacity_requests_per_s']:.3f} requests/s; medians of the repetitions):",
+        "",
+        "| rate (req/s) | method | mean latency s | vs cb-plain | TTFT s | TPOT ms | tokens/s |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        base = plain.get(row["rate"])
+        ratio = f"{base / row['latency_s']:.2f}x" if base else "–"
+        lines.append(f"| {row['rate']:.3f} | {row['method']} | {row['latency_s']:.2f} | {ratio} | "
+                     f"{row['ttft_s']:.2f} | {1000 * row['tpot_s']:.0f} | {row['tokens_per_s']:.2f} |")
+    mismatches = ", ".join(f"{name} {count}" for name, count in results["mismatches"].items())
+    lines += ["", f"Requests whose tokens differ from cb-plain's: {mismatches}."]
+    return "\n".join(lines)
+
+
+def plot_serve(results: dict[str, Any], path: Path) -> Path:
+    """Mean request latency (left) and time per output token (right) against the request rate, one line per
+    method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (latency, tpot) = plt.subplots(1, 2, figsize=(10, 4))
+    methods = dict.fromkeys(r["method"] for r in results["summary"])
+    for method in methods:
+        rows = sorted((r for r in results["summary"] if r["method"] == method), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in rows]
+        latency.plot(rates, [r["latency_s"] for r in rows], marker="o", label=method)
+        tpot.plot(rates, [1000 * r["tpot_s"] for r in rows], marker="o", label=method)
+    for axes, label in ((latency, "mean request latency (s)"), (tpot, "time per output token (ms)")):
+        axes.set_xlabel("request rate (requests/s)")
+        axes.set_ylabel(label)
+        axes.axvline(results["capacity_requests_per_s"], color="grey", linestyle=":", linewidth=1)
+    latency.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def run_serve(settings: Any, progress: bool = True) -> dict[str, Any]:
+    """The serve scenario for bench settings (`hf_dynspec.evaluation.bench.BenchSettings`): the target alone, its
+    prompts, a paged cache sized for every request at once, and the run's configuration and machine."""
+    from dataclasses import asdict
+
+    from .bench import load_inputs, machine_description
+
+    methods = [ServeMethod.parse(name) for name in settings.methods.split(",") if name]
+    if not any(method.name == "cb-plain" for method in methods):
+        methods.insert(0, ServeMethod.parse("cb-plain"))
+    model, _, prompts = load_inputs(settings, need_draft=False)
+    page = 64
+    longest = max(len(prompt) for prompt in prompts) + settings.max_new_tokens
+    cb_config = {"page_size": page, "num_blocks": len(prompts) * (math.ceil(longest / page) + 1),
+                 "max_batch_tokens": 1024, "use_async_batching": False}
+    results = run_serve_benchmark(
+        model, prompts, methods, max_new_tokens=settings.max_new_tokens, rates=settings.rates,
+        repetitions=settings.repetitions, seed=settings.seed, cb_config=cb_config, progress=progress,
+    )
+    config = {key: value for key, value in asdict(settings).items() if key != "loaded_models"}
+    return {"config": {**config, "continuous_batching": cb_config, "prompt_tokens": [len(p) for p in prompts]},
+            "machine": machine_description(), "models": settings.loaded_models, **results}
+

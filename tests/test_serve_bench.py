@@ -1,0 +1,50 @@
+"""The serve scenario of `hf-dynspec bench`: Poisson arrivals into transformers' continuous batching, the same
+trace for every method, per-request latency, TTFT and TPOT, and the latency plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_dynspec.cli import main
+from hf_dynspec.evaluation.serve import ServeMethod, arrival_times, serve_table
+
+
+def test_arrivals_are_poisson_and_repeatable():
+    times = arrival_times(4000, rate=2.0, seed=7)
+    assert times == arrival_times(4000, rate=2.0, seed=7) and times != arrival_times(4000, rate=2.0, seed=8)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and all(gap >= 0 for gap in gaps)
+    assert abs(sum(gaps) / len(gaps) - 0.5) < 0.03  # mean gap 1 / rate
+    assert arrival_times(3, rate=float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_serve_method_names():
+    assert ServeMethod.parse("cb-plain") == ServeMethod("cb-plain")
+    assert ServeMethod.parse("cb-suffix") == ServeMethod("cb-suffix", "suffix", "goodput", 4)
+    assert ServeMethod.parse("cb-lookup-static:3") == ServeMethod("cb-lookup-static:3", "lookup", "static", 3)
+    for bad in ("cb-draft", "cb-suffix-fast", "cb-lookup:0", "plain"):
+        with pytest.raises(ValueError, match="(?i)serve method"):
+            ServeMethod.parse(bad)
+
+
+def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
+    out, plots = tmp_path / "serve.json", tmp_path / "plots"
+    code = main(["bench", "--scenario", "serve", "--tiny", "--num-prompts", "5", "--max-new-tokens", "12",
+                 "--repetitions", "1", "--rates", "20,200", "--methods", "cb-lookup-static:3,cb-suffix",
+                 "--out", str(out), "--plots", str(plots), "--quiet"])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert results["rates"] == [20.0, 200.0] and results["capacity_requests_per_s"] > 0
+    assert {(r["method"], r["rate"]) for r in results["runs"]} == {
+        (m, r) for m in ("cb-plain", "cb-lookup-static:3", "cb-suffix") for r in (20.0, 200.0)}
+    for run in results["runs"]:
+        assert len(run["requests"]) == 5 and run["tokens_per_s"] > 0
+        for request in run["requests"]:
+            assert 0 < request["ttft_s"] <= request["latency_s"] and len(request["tokens"]) >= 1
+        if run["method"] == "cb-lookup-static:3":
+            assert run["speculation"]["draft_tokens"] > 0
+    assert results["mismatches"] == {"cb-plain": 0, "cb-lookup-static:3": 0, "cb-suffix": 0}
+    assert "| 20.000 | cb-suffix |" in serve_table(results)
+    assert (plots / "serve_latency.png").stat().st_size > 0
