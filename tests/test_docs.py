@@ -93,6 +93,16 @@ def test_rollouts_page_blocks_run(namespace: dict) -> None:
     assert getattr(namespace["model"], "_dynspec_binding", None) is None  # every block ends with disable
 
 
+def test_serving_page_blocks_run(namespace: dict) -> None:
+    """`generate_batch`, a speculating manager and an enabled model's own `generate_batch`, as the page writes them
+    (the client block needs a running server: `tests/test_serving.py` runs one)."""
+    ran = run_page("serving.md", namespace)
+    assert ran == 3
+    assert namespace["manager"].speculation.requests == 1
+    assert len(namespace["outputs"]) == 3
+    assert getattr(namespace["model"], "_dynspec_binding", None) is None
+
+
 REPORT = DOCS / "benchmarks.md"
 README = DOCS.parent / "README.md"
 SPEED_RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x\b")
