@@ -3,12 +3,14 @@ trace for every method, per-request latency, TTFT and TPOT, and the latency plot
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from hf_dynspec.cli import main
-from hf_dynspec.evaluation.serve import ServeMethod, arrival_times, serve_table
+from hf_dynspec.commands.bench import _rate_list
+from hf_dynspec.evaluation.serve import ServeMethod, _rate, arrival_times, serve_table
 
 
 def test_arrivals_are_poisson_and_repeatable():
@@ -48,3 +50,11 @@ def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
     assert results["mismatches"] == {"cb-plain": 0, "cb-lookup-static:3": 0, "cb-suffix": 0}
     assert "| 20.000 | cb-suffix |" in serve_table(results)
     assert (plots / "serve_latency.png").stat().st_size > 0
+
+
+def test_rates_are_requests_per_second_or_shares_of_capacity():
+    assert _rate_list("0.5x, 1x,2") == ["0.5x", "1.0x", 2.0]
+    assert [_rate(value, capacity=4.0) for value in _rate_list("0.5x,1x,3")] == [2.0, 4.0, 3.0]
+    for bad in ("0,1", "fast", "-1x", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _rate_list(bad)

@@ -43,13 +43,21 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _rate_list(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated rates such as 0.1,0.5,2, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive request rates, got {text!r}")
+def _rate_list(text: str) -> list[float | str]:
+    """Request rates per second (`0.5`), or shares of the plain manager's capacity (`0.5x`)."""
+    values: list[float | str] = []
+    for part in (part.strip() for part in text.split(",") if part.strip()):
+        try:
+            value = float(part.removesuffix("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated rates such as 0.1,0.5,2 or shares of capacity such as 0.5x,1x,2x, got "
+                f"{text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive request rates, got {text!r}")
+        values.append(f"{value}x" if part.endswith("x") else value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one request rate, got {text!r}")
     return values
 
 
@@ -130,8 +138,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-lengths", choices=OUTPUT_LENGTHS,
                         help="eos: rows stop at EOS; long-tail: each row also gets its own long-tailed budget.")
     parser.add_argument("--rates", type=_rate_list,
-                        help="Serve scenario: comma-separated request rates per second (default: 0.25, 0.5, 1 and 2 "
-                             "times the plain manager's measured capacity).")
+                        help="Serve scenario: comma-separated request rates per second, or shares of the plain "
+                             "manager's measured capacity written 0.5x (default 0.25x,0.5x,1x,2x).")
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="Tokens of the untimed warm-up run (0: none).")
     parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")

@@ -167,8 +167,9 @@ class BenchSettings:
     top_p: float | None = None
     top_k: int | None = None
     scenario: str | None = None
-    rates: list[float] | None = None
-    """Serve scenario: request rates (requests/s); `None`: shares of the plain manager's measured capacity."""
+    rates: list[float | str] | None = None
+    """Serve scenario: request rates (requests/s), or shares of the plain manager's measured capacity (`"0.5x"`);
+    `None`: `evaluation.serve.DEFAULT_RATE_SHARES`."""
     loaded_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Filled by `load_inputs`: per model the requested and resolved dtype and the placement options used."""
 

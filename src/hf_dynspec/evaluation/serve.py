@@ -148,13 +148,14 @@ def run_serve_benchmark(
     methods: list[ServeMethod],
     *,
     max_new_tokens: int,
-    rates: list[float] | None,
+    rates: list[float | str] | None,
     repetitions: int,
     seed: int,
     cb_config: dict[str, Any],
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Every method at every rate, `repetitions` times (methods rotated), on one arrival trace per rate; greedy.
+    """Every method at every rate (requests/s, or `"<share>x"` of the plain manager's capacity), `repetitions` times
+    (methods rotated), on one arrival trace per rate; greedy.
 
     Returns the rates, each run's per-request metrics and speculation counts, the medians over repetitions per
     (method, rate), and each method's token mismatches against `cb-plain` request by request.
@@ -183,7 +184,7 @@ def run_serve_benchmark(
         serve(method, [0.0] * min(2, len(prompts)))
     burst = serve(plain, [0.0] * len(prompts))
     capacity = len(prompts) / max(r["latency_s"] for r in burst["requests"])
-    rates = sorted(rates) if rates else [share * capacity for share in DEFAULT_RATE_SHARES]
+    rates = sorted(_rate(value, capacity) for value in (rates or [f"{s}x" for s in DEFAULT_RATE_SHARES]))
     runs = []
     schedule = [(rep, rate, shift) for rep in range(repetitions) for shift, rate in enumerate(rates)]
     for rep, rate, shift in tqdm(schedule, desc="serve runs", disable=not progress):
@@ -199,6 +200,13 @@ def run_serve_benchmark(
         "summary": _summary(runs, methods, rates),
         "mismatches": _mismatches(runs),
     }
+
+
+def _rate(value: float | str, capacity: float) -> float:
+    """A rate in requests/s: `value` itself, or `"<share>x"` times `capacity`."""
+    if isinstance(value, str):
+        return float(value.removesuffix("x")) * capacity
+    return float(value)
 
 
 def _summary(runs: list[dict[str, Any]], methods: list[ServeMethod], rates: list[float]) -> list[dict[str, Any]]:
