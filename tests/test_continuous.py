@@ -8,14 +8,15 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import perturbed, tiny_model
 from test_sampling import LOOP_NEW, VOCAB, assert_converges, exact_joint, small_vocab_pair, windows  # noqa: F401
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.candidates.suffix import clear_suffix_caches
-from hf_dynspec.continuous import SpeculativeManager
+from hf_dynspec.continuous import DraftModelRequests, SpeculativeManager
 
 
 def cb_config(page_size: int = 16, num_blocks: int = 64, max_batch_tokens: int = 256, **kwargs):
@@ -53,13 +54,15 @@ def run(manager: SpeculativeManager, prompts: list[list[int]], max_new_tokens: i
 
 
 def assert_no_blocks_held(manager) -> None:
-    """No request holds a block of the paged cache (finished and cancelled ones gave theirs back)."""
-    deadline = time.monotonic() + 10
-    cache = manager.batch_processor.cache
-    while time.monotonic() < deadline and any(a.block_table for a in cache.cache_allocators.values()):
-        time.sleep(0.05)
-    held = {name: list(a.block_table) for name, a in cache.cache_allocators.items() if a.block_table}
-    assert not held, f"requests still hold blocks: {held}"
+    """No request holds a block of the paged cache, nor of a draft model's (finished and cancelled ones gave theirs
+    back)."""
+    caches = [manager.batch_processor.cache, getattr(manager.speculator.proposer, "cache", None)]
+    for cache in [c for c in caches if isinstance(c, PagedAttentionCache)]:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(a.block_table for a in cache.cache_allocators.values()):
+            time.sleep(0.05)
+        held = {name: list(a.block_table) for name, a in cache.cache_allocators.items() if a.block_table}
+        assert not held, f"requests still hold blocks: {held}"
 
 
 def speculating(model, *, generation_config, cb=None, **kwargs) -> SpeculativeManager:
@@ -83,14 +86,19 @@ CASES = [
     ("qwen2", "lookup", "static", 4, 16, [10, 4, 8, 12], 2, 61),
     ("qwen2", "suffix", "static", 8, 256, [7, 10, 5], 2, 35),
     ("qwen2", "suffix", "goodput", 4, 20, [7, 10, 5], 3, 28),
+    ("llama", "draft", "static", 16, 256, [5, 9, 13, 7], 1, 40),
+    ("llama", "draft", "goodput", 8, 256, [5, 9, 13, 7], 1, 40),
+    ("llama", "draft", "static", 4, 10, [6, 11, 17, 3, 9], 1, 30),
+    ("qwen2", "draft", "static", 8, 20, [10, 4, 8, 12], 2, 33),
 ]
+"""The draft of `draft` cases is the target with noise on its weights (`perturbed`, scale 0.1)."""
 
 
 @pytest.mark.parametrize(("family", "proposer", "policy", "page", "budget", "lengths", "copies", "new"), CASES)
 def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, budget, lengths, copies, new):
     """Request by request, the tokens of plain `generate_batch`: small pages put draft tokens across block
-    boundaries, small step budgets cut drafts, repeated prompts share prefix blocks, and a second pass of the same
-    prompts drafts from the first one's outputs (suffix trees)."""
+    boundaries, small step budgets cut drafts (and a draft model's catch-up), repeated prompts share prefix blocks,
+    and a second pass of the same prompts drafts from the first one's outputs (suffix trees)."""
     model = tiny_model(family, seed=0)
     prompts = repetitive_prompts(lengths, seed=len(lengths) + copies, copies=copies)
     config = greedy(new)
@@ -98,6 +106,8 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
     expected = [output.generated_tokens for output in expected.values()]
     clear_suffix_caches(model)
     kwargs = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
+    if proposer == "draft":
+        kwargs = {"assistant_model": perturbed(model, scale=0.1, seed=3)}
     spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if proposer == "suffix" else "auto")
     manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
                           dynspec_config=spec, **kwargs)
@@ -109,8 +119,9 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
     finally:
         manager.stop(block=True)
     stats = manager.speculation
-    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0, stats
     assert stats.emitted_tokens > 0
+    if proposer != "draft" or policy == "static":  # goodput prices a tiny draft model by its timed forwards
+        assert stats.draft_tokens > 0 and stats.accepted_tokens > 0, stats
 
 
 def test_generate_batch_matches_plain_and_leaves_no_manager_behind():
@@ -180,10 +191,33 @@ def test_a_cancelled_request_leaves_no_blocks_and_others_finish():
         manager.stop(block=True)
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "suffix"])
+def test_a_draft_model_equal_to_the_target_has_every_draft_token_accepted():
+    """The draft's own paged cache holds what the target's does: prompts caught up in chunks of the step budget,
+    accepted tokens fed, rejected positions rewritten. A draft equal to the target (eager attention, made paged for
+    the run and restored after) then proposes exactly the target's tokens."""
+    model = tiny_model("qwen2", seed=2)
+    draft = perturbed(model, scale=0.0)
+    draft.set_attn_implementation("eager")
+    prompts = repetitive_prompts([23, 5, 14], seed=6, copies=2)
+    config = greedy(26, eos_token_id=-1)
+    expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(4))
+    manager = speculating(model, generation_config=config, cb=cb_config(4, max_batch_tokens=12),
+                          assistant_model=draft, dynspec_config={"policy": "static", "num_speculative_tokens": 3})
+    try:
+        got = run(manager, prompts, 26)
+        assert draft.config._attn_implementation == "paged|eager"
+    finally:
+        manager.stop(block=True)
+    assert list(got.values()) == [o.generated_tokens for o in expected.values()]
+    stats = manager.speculation
+    assert stats.draft_tokens > len(prompts) * 10 and stats.accepted_tokens == stats.draft_tokens, stats
+    assert draft.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "suffix", "draft"])
 def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
     """Sampled requests (temperature) speculate and follow the target's joint law of their tokens."""
-    target, _ = small_vocab_pair
+    target, draft = small_vocab_pair
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     temperature = 0.9
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
@@ -192,9 +226,9 @@ def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa
     laws = {"first": joint.sum(dim=(3, 4)).reshape(-1), "last": joint.sum(dim=(0, 1)).reshape(-1)}
     config = GenerationConfig(max_new_tokens=LOOP_NEW, do_sample=True, temperature=temperature, top_k=None,
                               top_p=None, eos_token_id=None, pad_token_id=0)
-    kwargs = {"prompt_lookup_num_tokens": 3} if proposer == "lookup" else {}
-    spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer="auto" if proposer == "lookup" else
-                         "suffix", suffix_min_token_probability=0.0)
+    kwargs = {"lookup": {"prompt_lookup_num_tokens": 3}, "draft": {"assistant_model": draft}}.get(proposer, {})
+    spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer="suffix" if proposer == "suffix" else
+                         "auto", suffix_min_token_probability=0.0)
     cb = cb_config(page_size=16, num_blocks=512, max_batch_tokens=2048, max_requests_per_batch=256)
     manager = speculating(target, generation_config=config, cb=cb, dynspec_config=spec, **kwargs)
     samples: dict[int, torch.Tensor] = {}
@@ -220,8 +254,13 @@ def test_requests_that_cannot_speculate_get_clear_errors():
     config = greedy(8)
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens=N"):
         hf_dynspec.init_continuous_batching(model, generation_config=config)
-    with pytest.raises(ValueError, match="model-free proposers"):
-        hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2), generation_config=config)
+    with pytest.raises(ValueError, match="a draft model drafts alone"):
+        hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2), prompt_lookup_num_tokens=2,
+                                            generation_config=config)
+    with pytest.raises(ValueError, match="vocabulary"):
+        hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2, vocab=40), generation_config=config)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "hybrid"})
     with pytest.raises(ValueError, match="positive integer"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=0, generation_config=config)
     with pytest.raises(ValueError, match="tree_node_budget=0"):
@@ -239,6 +278,8 @@ def test_requests_that_cannot_speculate_get_clear_errors():
     sliding = tiny_model("qwen2", seed=1, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window layers"):
         hf_dynspec.init_continuous_batching(sliding, prompt_lookup_num_tokens=2, generation_config=config)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        hf_dynspec.init_continuous_batching(tiny_model("qwen2", seed=1), sliding, generation_config=config)
 
 
 def test_an_enabled_model_speculates_in_its_own_generate_batch():
@@ -262,3 +303,22 @@ def test_an_enabled_model_speculates_in_its_own_generate_batch():
     plain = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config())
     assert not isinstance(plain, SpeculativeManager)
 
+
+
+def test_a_bound_draft_speculates_in_the_models_own_generate_batch():
+    """`enable(model, draft)` makes `model.generate_batch` draft with it, in the draft's own paged cache."""
+    model = tiny_model("llama", seed=0)
+    prompts = repetitive_prompts([8, 12, 5], seed=9)
+    config = greedy(24)
+    expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config())
+    hf_dynspec.enable(model, perturbed(model, scale=0.05, seed=5), dynspec_config={"policy": "static"})
+    try:
+        got = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(),
+                                   persistent_manager=True)
+        manager = model._cached_continuous_batching_manager
+        assert isinstance(manager.speculator.proposer, DraftModelRequests)
+        assert manager.speculation.accepted_tokens > 0
+        model.destroy_cached_continuous_batching_manager()
+    finally:
+        hf_dynspec.disable(model)
+    assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in expected.values()]

@@ -99,7 +99,7 @@ def test_serving_page_blocks_run(namespace: dict) -> None:
     ran = run_page("serving.md", namespace)
     assert ran == 3
     assert namespace["manager"].speculation.requests == 1
-    assert len(namespace["outputs"]) == 3
+    assert len(namespace["outputs"]) == len(namespace["with_draft"]) == 3
     assert getattr(namespace["model"], "_dynspec_binding", None) is None
 
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from conftest import tiny_model, word_tokenizer
+from conftest import perturbed, tiny_model, word_tokenizer
 from transformers.cli.serve import Serve
 
 from hf_dynspec import DynSpecConfig
@@ -33,6 +33,28 @@ def model_dir(tmp_path_factory):
     tiny_model("llama", seed=0, dtype=torch.float64).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A draft for the tiny model: its weights with noise, saved where the server can load it."""
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    perturbed(tiny_model("llama", seed=0, dtype=torch.float64), scale=0.1, seed=3).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def plain_answers(model_dir):
+    """What plain `transformers serve` answers on the tiny model."""
+    port = free_port()
+    plain = Serve(force_model=model_dir, port=port, **SERVER)
+    try:
+        wait_until_listening(port)
+        expected = ask_all(port, model_dir)
+    finally:
+        plain.kill_server()
+    assert all(len(text.split()) > 10 for texts in expected.values() for text in texts)
+    return expected
 
 
 def free_port() -> int:
@@ -74,14 +96,7 @@ def ask_all(port: int, model: str) -> dict[str, list[str]]:
                 (("chat", chat), ("streamed", streamed), ("completions", complete))}
 
 
-def test_speculating_server_answers_as_the_plain_one(model_dir):
-    port = free_port()
-    plain = Serve(force_model=model_dir, port=port, **SERVER)
-    try:
-        wait_until_listening(port)
-        expected = ask_all(port, model_dir)
-    finally:
-        plain.kill_server()
+def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers):
     port = free_port()
     config = DynSpecConfig(proposer="suffix", policy="static", suffix_min_token_probability=0.0)
     speculating = serve(model_dir, dynspec_config=config, port=port, **SERVER)
@@ -92,10 +107,24 @@ def test_speculating_server_answers_as_the_plain_one(model_dir):
         manager = speculating._generation_state._cb_manager._cb
     finally:
         speculating.kill_server()
-    assert all(len(text.split()) > 10 for texts in expected.values() for text in texts)
-    assert first == expected and again == expected
+    assert first == plain_answers and again == plain_answers
     assert isinstance(manager, SpeculativeManager)
     assert manager.speculation.requests == 2 * 3 * len(PROMPTS)
+    assert manager.speculation.accepted_tokens > 0
+
+
+def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_dir, plain_answers):
+    port = free_port()
+    speculating = serve(model_dir, assistant_model=draft_dir, dynspec_config={"policy": "static"}, port=port, **SERVER)
+    try:
+        wait_until_listening(port)
+        answers = ask_all(port, model_dir)
+        manager = speculating._generation_state._cb_manager._cb
+    finally:
+        speculating.kill_server()
+    assert answers == plain_answers
+    assert isinstance(manager, SpeculativeManager)
+    assert manager.speculator.proposer.model.dtype == torch.float64
     assert manager.speculation.accepted_tokens > 0
 
 
@@ -106,8 +135,10 @@ def test_serve_command_line_maps_to_transformers_serve_options():
     arguments = serve_arguments(args)
     config = arguments.pop("dynspec_config")
     assert config.proposer == "suffix" and config.policy == "static" and config.num_speculative_tokens == 3
-    assert arguments == {"model": "some/model", "prompt_lookup_num_tokens": None, "continuous_batching": True,
-                         "port": 8123, "cb_num_blocks": 32, "device": "cpu"}
+    assert arguments == {"model": "some/model", "assistant_model": None, "prompt_lookup_num_tokens": None,
+                         "continuous_batching": True, "port": 8123, "cb_num_blocks": 32, "device": "cpu"}
+    pair = serve_arguments(build_parser().parse_args(["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b"]))
+    assert pair["model"] == "qwen2.5-coder-1.5b" and pair["assistant_model"] == "qwen2.5-coder-0.5b"
 
 
 def test_serve_needs_a_proposer():

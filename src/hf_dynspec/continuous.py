@@ -5,8 +5,9 @@ transformers' continuous batching (`model.generate_batch`, `model.init_continuou
 forward holds the decoding requests' newest tokens and chunks of other requests' prompts, packed into one sequence,
 over a paged KV cache. Speculation enters at three seams of that engine, and nowhere else:
 
-- before the scheduler builds a step, every decoding request gets `k_i` draft tokens from a model-free proposer
-  (prompt lookup, or suffix trees over every request's prompt and output), `k_i` chosen by the policy
+- before the scheduler builds a step, every decoding request gets `k_i` draft tokens from its proposer (a draft
+  model decoding the same requests in a paged cache of its own, prompt lookup, or suffix trees over every request's
+  prompt and output), `k_i` chosen by the policy
   (`DynSpecConfig.policy`, goodput by default) from the decoding requests, their acceptance and the measured step
   costs. The request's query becomes its newest token and its draft: the scheduler (transformers' own, subclassed
   through its `SCHEDULER_MAPPING` registry) books them as tokens of the step and pages of the cache, and cuts a draft
@@ -23,19 +24,22 @@ exactly a plain continuous-batching step. What this module relies on of transfor
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedModel
-from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.continuous_batching.cache import PagedAttentionCache, group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators import SLIDING_ATTENTION
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
 )
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 from transformers.generation.continuous_batching.requests import (
     FutureRequestState,
     GenerationOutput,
@@ -44,33 +48,84 @@ from transformers.generation.continuous_batching.requests import (
 )
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, Scheduler
 
+from .candidates.draft_model import MAX_INLINE_TAIL
 from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
 from .candidates.suffix import SuffixCache, SuffixSettings, suffix_cache_for
 from .config import DynSpecConfig
+from .loop import _parameter_ratio, _policy_for
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
+from .validation import check_vocabularies
 from .verification import verify_greedy, verify_sampling
 
 
 # ---- proposers ------------------------------------------------------------------------------------------------------
+@dataclass
+class DraftRequest:
+    """A decoding request the proposer drafts for this step."""
+
+    request_id: str
+    tokens: list[int]  # its prompt and output so far
+    cap: int  # most draft tokens it may take this step
+
+
 class RequestProposer(ABC):
-    """Model-free draft tokens for the requests of a continuous batch, request by request."""
+    """Draft tokens for the decoding requests of a continuous batch. Each step the speculator asks for `hints` (what
+    the policy sees before it sizes the drafts), then for the `drafts` of the lengths the policy chose."""
+
+    model: PreTrainedModel | None = None  # the draft model, when one drafts
+    catchup_seconds: float = 0.0  # this step's catch-up of the draft model on wide backlogs (its prompt prefill)
+    catchup_tokens: int = 0  # tokens of that catch-up
 
     def start(self, request_id: str, prompt: list[int]) -> None:
         """A request starts decoding on `prompt` (its prompt tokens)."""
+
+    def finish(self, request_id: str, tokens: list[int] | None) -> None:
+        """The request left: finished with `tokens` (prompt and output), or cancelled or failed (`None`)."""
+
+    def open(self, manager: ContinuousBatchingManager) -> None:
+        """The manager built its batch processor (its paged cache and resolved settings)."""
+
+    def close(self) -> None:
+        """The manager stopped: every request has finished (`finish`)."""
+
+    @abstractmethod
+    def hints(self, requests: list[DraftRequest]) -> dict[str, torch.LongTensor]:
+        """`PolicyInput` fields for `requests`: a model-free proposer's offers (`free_lengths`, `free_anchors`), or
+        the tokens a draft model must catch up on (`backlog`); each `[requests]`."""
+
+    @abstractmethod
+    def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
+        """Each request's draft tokens, at most its length (the `requests` `hints` last saw)."""
+
+
+class ModelFreeRequests(RequestProposer):
+    """A proposer that drafts without a model: its offers, made for the hints, are the drafts, cut to length."""
+
+    def __init__(self) -> None:
+        self._offers: list[list[int]] = []
 
     @abstractmethod
     def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
         """Up to `max_tokens` draft tokens continuing `tokens` (the request's prompt and output so far), and their
         anchor: how many of the request's last tokens the continuation's source shares (0 without one)."""
 
-    def finish(self, request_id: str, tokens: list[int] | None) -> None:
-        """The request left: finished with `tokens` (prompt and output), or cancelled or failed (`None`)."""
+    def hints(self, requests: list[DraftRequest]) -> dict[str, torch.LongTensor]:
+        offers = [self.offer(r.request_id, r.tokens, r.cap) for r in requests]
+        self._offers = [found for found, _ in offers]
+        return {
+            "free_lengths": torch.tensor([len(found) for found, _ in offers], dtype=torch.long),
+            "free_anchors": torch.tensor([anchor for _, anchor in offers], dtype=torch.long),
+        }
+
+    def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
+        return [found[:length] for found, length in zip(self._offers, lengths)]
 
 
-class LookupRequests(RequestProposer):
+class LookupRequests(ModelFreeRequests):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last n-gram."""
 
     def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        super().__init__()
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
@@ -78,11 +133,12 @@ class LookupRequests(RequestProposer):
         return found.tolist(), anchor
 
 
-class SuffixRequests(RequestProposer):
+class SuffixRequests(ModelFreeRequests):
     """Suffix trees (`hf_dynspec.candidates.suffix`): each request's prompt, and every request's output as it is
     written, so concurrent requests see each other's outputs and later ones find earlier ones."""
 
     def __init__(self, cache: SuffixCache) -> None:
+        super().__init__()
         self.cache = cache
         self._requests: dict[str, int] = {}  # request id -> the cache's id of it
         self._written: dict[str, int] = {}  # request id -> its tokens the cache has
@@ -107,6 +163,185 @@ class SuffixRequests(RequestProposer):
         if len(tokens) > written:
             self.cache.extend(self._requests[request_id], tokens[written:])
             self._written[request_id] = len(tokens)
+
+
+@dataclass
+class _DraftSequence:
+    """A request as the draft model holds it in its paged cache."""
+
+    state: RequestState  # the draft's own state of the request: its id names the request's blocks in the draft cache
+    seen: list[int] = field(default_factory=list)  # tokens whose keys and values the draft cache holds, in order
+
+
+class DraftModelRequests(RequestProposer):
+    """A draft model that shares the target's vocabulary, decoding the same requests in a paged cache of its own
+    (transformers' `PagedAttentionCache` and batch inputs, sized as the target's, without prefix sharing).
+
+    Each step it drafts for the requests the policy gave a length: every request first catches up on the tokens the
+    draft has not seen (its prompt the first time, then the tokens accepted since it last drafted), then the draft
+    runs `max(k_i)` forwards, a request leaving them when its draft is long enough. Its proposals are the draft's
+    most likely tokens: greedy verification matches them, rejection sampling takes them as a deterministic proposal.
+    Positions the target rejected are rewritten when the draft next catches up; a backlog wider than
+    `MAX_INLINE_TAIL` is caught up in a forward of its own, timed apart (`catchup_seconds`), as in `generate`.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache: PagedAttentionCache | None = None
+        self.inputs: ContinuousBatchingIOs | None = None
+        self._processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())
+        self._sequences: dict[str, _DraftSequence] = {}
+        self._attention: str | None = None  # the draft's attention implementation before it was made paged
+
+    def open(self, manager: ContinuousBatchingManager) -> None:
+        if self.cache is not None:
+            return
+        current, paged = self.model.config._attn_implementation, _paged_implementation(self.model)
+        if paged != current:
+            self.model.set_attn_implementation(paged)
+            self._attention = current
+        settings = dataclasses.replace(manager.continuous_batching_config, allow_block_sharing=False)
+        text_config = self.model.config.get_text_config()
+        self.cache = PagedAttentionCache(
+            text_config, settings, self.model.device, manager.distributed_helper, dtype=self.model.dtype
+        )
+        self.inputs = ContinuousBatchingIOs(
+            self.cache, text_config, settings, self.model.device, self.model.dtype, self._processors
+        )
+        self._max_tokens = self.cache.max_batch_tokens
+        self._max_requests = settings.max_requests_per_batch
+
+    def close(self) -> None:
+        if self._attention is not None:
+            self.model.set_attn_implementation(self._attention)
+        self.cache = self.inputs = self._attention = None
+        self._sequences.clear()
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        self._sequences[request_id] = _DraftSequence(RequestState(request_id=request_id, initial_tokens=list(prompt)))
+
+    def finish(self, request_id: str, tokens: list[int] | None) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None and self.cache is not None:
+            self.cache.free_blocks(request_id, no_cache=True)
+
+    def hints(self, requests: list[DraftRequest]) -> dict[str, torch.LongTensor]:
+        return {"backlog": torch.tensor([self._backlog(r) for r in requests], dtype=torch.long)}
+
+    def _backlog(self, request: DraftRequest) -> int:
+        """Tokens of the request the draft must process before it drafts: all after their longest common prefix."""
+        seen = self._sequences[request.request_id].seen
+        return len(request.tokens) - _common_prefix(seen, request.tokens)
+
+    @torch.no_grad()
+    def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
+        self.catchup_seconds, self.catchup_tokens = 0.0, 0
+        wanted = {r.request_id: n for r, n in zip(requests, lengths) if n > 0 and self.cache is not None}
+        drafting = [r for r in requests if r.request_id in wanted]
+        for request in drafting:
+            seen = self._sequences[request.request_id].seen
+            del seen[_common_prefix(seen, request.tokens) :]  # positions the target rejected are rewritten
+        self._catch_up([r for r in drafting if self._backlog(r) > MAX_INLINE_TAIL])
+        drafted: dict[str, list[int]] = {r.request_id: [] for r in drafting}
+        feeds = [(r.request_id, self._unseen(r)) for r in drafting if self._backlog(r) <= MAX_INLINE_TAIL]
+        while feeds:
+            feeds = [(request_id, tokens) for request_id, tokens in feeds if self._fits(request_id, len(tokens))]
+            if not feeds:
+                break
+            for (request_id, _), token in zip(feeds, self._forward(feeds).argmax(-1).tolist()):
+                drafted[request_id].append(token)
+            feeds = [(i, drafted[i][-1:]) for i, _ in feeds if len(drafted[i]) < wanted[i]]
+        return [drafted.get(r.request_id, []) for r in requests]
+
+    def _unseen(self, request: DraftRequest) -> list[int]:
+        return request.tokens[len(self._sequences[request.request_id].seen) :]
+
+    def _catch_up(self, requests: list[DraftRequest]) -> None:
+        """Feed every token but the newest of `requests` that the draft has not seen, timed as the catch-up. A request
+        whose tokens the draft cache cannot take keeps its backlog (and does not draft)."""
+        start = time.perf_counter()
+        pending = [(r.request_id, self._unseen(r)[:-1]) for r in requests]
+        while pending:
+            chunks = [(request_id, tokens[: self._max_tokens]) for request_id, tokens in pending]
+            chunks = [(request_id, chunk) for request_id, chunk in chunks if self._fits(request_id, len(chunk))]
+            if not chunks:
+                break
+            self._forward(chunks)
+            self.catchup_tokens += sum(len(chunk) for _, chunk in chunks)
+            fed = dict(chunks)
+            pending = [(i, tokens[len(fed[i]) :]) for i, tokens in pending if i in fed and len(tokens) > len(fed[i])]
+        self.catchup_seconds = time.perf_counter() - start
+
+    def _fits(self, request_id: str, tokens: int) -> bool:
+        """Whether the draft cache can take `tokens` more of the request (allocating their pages if so)."""
+        sequence = self._sequences[request_id]
+        sequence.state.position_offset = len(sequence.seen)
+        return self.cache.can_store_request_tokens(sequence.state, tokens)
+
+    def _forward(self, feeds: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """The draft over each request's `feeds` tokens (at most the step budget each), packed into as few forwards
+        as the budget and the request limit allow; the logits of each one's last token, `[len(feeds), vocab]`."""
+        logits, group, budget = [], [], self._max_tokens
+        for request_id, tokens in feeds:
+            if group and (len(tokens) > budget or len(group) == self._max_requests):
+                logits.append(self._packed_forward(group))
+                group, budget = [], self._max_tokens
+            group.append((request_id, tokens))
+            budget -= len(tokens)
+        if group:
+            logits.append(self._packed_forward(group))
+        return torch.cat(logits) if logits else torch.empty(0, 0)
+
+    def _packed_forward(self, feeds: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """One packed draft forward (transformers' batch inputs over the draft's paged cache): `[len(feeds), vocab]`."""
+        futures = []
+        for request_id, tokens in feeds:
+            sequence = self._sequences[request_id]
+            sequence.state.position_offset = len(sequence.seen)
+            sequence.state.tokens_to_process = list(tokens)
+            futures.append(FutureRequestState(sequence.state, True, {}, len(tokens)))
+        past = sum(len(self._sequences[request_id].seen) for request_id, _ in feeds)
+        query = sum(len(tokens) for _, tokens in feeds)
+        self.inputs.prepare_batch_tensors(futures, self._processors, False, query, past, False)
+        batch = self.inputs.get_model_kwargs(use_padding=False)
+        batch.pop("logits_processor_args", None)
+        indices = batch["logits_indices"]
+        if _supports_logits_to_keep(self.model):
+            batch["logits_to_keep"] = indices
+        logits = self.model(**batch).logits  # [1, fed requests (or every query position), vocab]
+        if "logits_to_keep" not in batch:
+            logits = logits[:, indices]
+        for request_id, tokens in feeds:
+            self._sequences[request_id].seen.extend(tokens)
+        return logits[0]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _supports_logits_to_keep(model: PreTrainedModel) -> bool:
+    supports = getattr(model, "_supports_logits_to_keep", None)
+    return callable(supports) and bool(supports())
+
+
+def _paged_implementation(model: PreTrainedModel) -> str:
+    """The attention implementation `model` runs with over transformers' paged cache, as its manager chooses for the
+    target (eager becomes `paged|eager`)."""
+    current = model.config._attn_implementation
+    if current == "eager":
+        return "paged|eager"
+    if current in ("paged|eager", "sdpa") or "flash" in str(current):
+        return current
+    raise ValueError(
+        f"The draft model's attention implementation {current!r} cannot read a paged cache: load it with "
+        "attn_implementation='sdpa', 'eager' or a flash attention implementation."
+    )
 
 
 # ---- per-step decisions ---------------------------------------------------------------------------------------------
@@ -144,7 +379,10 @@ class Speculator:
     a finished request's row id goes to the next request, and the policy forgets that row (`forget_rows`).
     """
 
-    def __init__(self, proposer: RequestProposer, policy: DraftLengthPolicy, max_draft_tokens: int) -> None:
+    def __init__(
+        self, target: PreTrainedModel, proposer: RequestProposer, policy: DraftLengthPolicy, max_draft_tokens: int
+    ) -> None:
+        self.target = target
         self.proposer = proposer
         self.policy = policy
         self.max_draft_tokens = max_draft_tokens
@@ -155,38 +393,40 @@ class Speculator:
         self._free_slots: list[int] = []
         self._prefilled = False  # the policy has seen a first forward (its prefill feedback)
         self._draft_seconds = 0.0
+        self._catchup = (0.0, 0)  # this step's catch-up of a draft model: seconds, tokens
         self.policy.reset(0)
 
     # ---- before the scheduler ----------------------------------------------------------------------------------------
     def propose(self, active: dict[str, RequestState]) -> None:
         """Give every decoding request of `active` its draft: its query becomes its newest token and the draft."""
         start = time.perf_counter()
+        self._catchup = (0.0, 0)
         self._sync(active)
         states = [s for s in active.values() if _decoding(s)]
         self.rows = {}
         if not states or not self._prefilled or self.max_draft_tokens == 0:
             self.rows = {s.request_id: _Row(s, self._slot(s), 0) for s in states}
             return
-        offers = [self._offer(state) for state in states]
+        requests = [
+            DraftRequest(s.request_id, s.initial_tokens + s.generated_tokens, min(self.max_draft_tokens, _remaining(s) - 1))
+            for s in states
+        ]
         request = PolicyInput(
             step=self.stats.steps,
             row_ids=torch.tensor([self._slot(s) for s in states], dtype=torch.long),
             remaining_tokens=torch.tensor([_remaining(s) for s in states], dtype=torch.long),
             max_draft_tokens=self.max_draft_tokens,
-            free_lengths=torch.tensor([len(found) for found, _ in offers], dtype=torch.long),
-            free_anchors=torch.tensor([anchor for _, anchor in offers], dtype=torch.long),
+            **self.proposer.hints(requests),
         )
-        lengths = self.policy.draft_lengths(request).cpu()  # [decoding requests]
-        for state, (found, _), slot, length in zip(states, offers, request.row_ids.tolist(), lengths.tolist()):
-            length = max(0, min(int(length), _remaining(state) - 1))
-            row = _Row(state, slot, length, found[:length])
+        chosen = self.policy.draft_lengths(request).cpu().tolist()  # [decoding requests]
+        lengths = [max(0, min(int(n), r.cap)) for n, r in zip(chosen, requests)]
+        drafts = self.proposer.drafts(requests, lengths)
+        self._catchup = (self.proposer.catchup_seconds, self.proposer.catchup_tokens)
+        for state, slot, length, draft in zip(states, request.row_ids.tolist(), lengths, drafts):
+            row = _Row(state, slot, length, draft[:length])
             state.tokens_to_process = state.tokens_to_process[:1] + row.draft
             self.rows[state.request_id] = row
-        self._draft_seconds = time.perf_counter() - start
-
-    def _offer(self, state: RequestState) -> tuple[list[int], int]:
-        tokens = state.initial_tokens + state.generated_tokens
-        return self.proposer.offer(state.request_id, tokens, min(self.max_draft_tokens, _remaining(state) - 1))
+        self._draft_seconds = time.perf_counter() - start - self._catchup[0]
 
     def _slot(self, state: RequestState) -> int:
         if state.request_id not in self._slots:
@@ -238,7 +478,9 @@ class Speculator:
         one as the policy's prefill, the others as steps of their decoding requests (`accepted` draft tokens each)."""
         self.stats.steps += 1
         if not self._prefilled:
-            self.policy.observe_prefill(PrefillFeedback(num_requests, query_tokens, seconds, packed_verify=True))
+            draft = self.proposer.model
+            ratio = _parameter_ratio(draft, self.target) if draft is not None else None
+            self.policy.observe_prefill(PrefillFeedback(num_requests, query_tokens, seconds, ratio, packed_verify=True))
             self._prefilled = True
             return
         rows = list(self.rows.values())
@@ -254,7 +496,9 @@ class Speculator:
             draft_seconds=self._draft_seconds,
             verify_seconds=seconds,
             target_tokens=query_tokens,
-            free_rows=drafted > 0,
+            catchup_seconds=self._catchup[0],
+            catchup_tokens=self._catchup[1],
+            free_rows=drafted > 0 if self.proposer.model is None else None,
         )
         self.policy.observe(feedback)
         self.stats.decode_steps += 1
@@ -518,12 +762,15 @@ class SpeculativeManager(ContinuousBatchingManager):
         return self.speculator.stats
 
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
-        return SpeculativeBatchProcessor.adopt(super()._create_batch_processor(), self.speculator)
+        processor = SpeculativeBatchProcessor.adopt(super()._create_batch_processor(), self.speculator)
+        self.speculator.proposer.open(self)
+        return processor
 
     def stop(self, *args, **kwargs) -> None:
         super().stop(*args, **kwargs)
         if not self.is_running():
             self.speculator.finish_all()
+            self.speculator.proposer.close()
 
 
 def _check_attention(model: PreTrainedModel) -> None:
@@ -564,36 +811,29 @@ def init_continuous_batching(
     """A continuous-batching manager for `model` whose steps speculate: `model.init_continuous_batching`'s manager
     (start it, add requests, read results, stop it), with every decoding request's draft length chosen each step.
 
-    Drafts come from prompt lookup (`prompt_lookup_num_tokens`, the most draft tokens a request proposes in a step)
-    or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output (the
-    `suffix` extra). Greedy outputs equal those of `model.generate_batch`; sampled ones follow the same distribution.
+    Drafts come from `assistant_model` (a draft model sharing the target's vocabulary, in a paged cache of its own:
+    `DraftModelRequests`), from prompt lookup (`prompt_lookup_num_tokens`, the most draft tokens a request proposes in
+    a step) or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output
+    (the `suffix` extra). Greedy outputs equal those of `model.generate_batch`; sampled ones follow the same distribution.
 
     Example:
 
     ```python
     >>> import hf_dynspec
-    >>> manager = hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=4)
+    >>> manager = hf_dynspec.init_continuous_batching(model, draft)
     >>> manager.start()
     >>> request_id = manager.add_request(input_ids, max_new_tokens=64)
     >>> output = next(manager.request_id_iter(request_id))
     >>> manager.stop()
     ```
     """
-    if assistant_model is not None:
-        raise ValueError(
-            "Continuous batching speculates with model-free proposers for now: pass `prompt_lookup_num_tokens=N`, or "
-            "`dynspec_config=DynSpecConfig(proposer='suffix')`, instead of `assistant_model` (a draft model needs a "
-            "paged cache of its own). `hf_dynspec.generate` speculates with draft models."
-        )
     config = DynSpecConfig.coerce(dynspec_config)
     generation_config = generation_config if generation_config is not None else model.generation_config
     if getattr(generation_config, "num_beams", 1) not in (None, 1):
         raise ValueError("Continuous batching does not run beam search: set `num_beams=1`.")
-    proposer, max_draft = _request_proposer(model, config, prompt_lookup_num_tokens)
-    from .loop import _policy_for
-
-    policy = _policy_for(model, None, config, None, engine="continuous_batching")
-    speculator = Speculator(proposer, policy, max_draft)
+    proposer, max_draft = _request_proposer(model, config, prompt_lookup_num_tokens, assistant_model)
+    policy = _policy_for(model, proposer.model, config, None, engine="continuous_batching")
+    speculator = Speculator(model, proposer, policy, max_draft)
     return SpeculativeManager(
         model,
         generation_config,
@@ -604,9 +844,16 @@ def init_continuous_batching(
 
 
 def _request_proposer(
-    model: PreTrainedModel, config: DynSpecConfig, prompt_lookup_num_tokens: int | None
+    model: PreTrainedModel,
+    config: DynSpecConfig,
+    prompt_lookup_num_tokens: int | None,
+    assistant_model: PreTrainedModel | None,
 ) -> tuple[RequestProposer, int]:
     """The proposer the arguments ask for, and the most draft tokens a request proposes in a step."""
+    if config.tree_node_budget:
+        raise ValueError("Continuous batching verifies chains: set `tree_node_budget=0` in the DynSpecConfig.")
+    if assistant_model is not None:
+        return _draft_proposer(model, config, prompt_lookup_num_tokens, assistant_model), config.num_speculative_tokens
     if config.proposer == "suffix":
         if prompt_lookup_num_tokens is not None:
             raise ValueError(
@@ -620,20 +867,36 @@ def _request_proposer(
         return SuffixRequests(suffix_cache_for(model, settings)), config.num_speculative_tokens
     if config.proposer != "auto":
         raise ValueError(
-            f"DynSpecConfig(proposer={config.proposer!r}) needs a draft model, which continuous batching does not "
-            "take yet: use proposer='auto' with `prompt_lookup_num_tokens`, or proposer='suffix'."
+            f"DynSpecConfig(proposer={config.proposer!r}) needs a draft model: pass `assistant_model`, or use "
+            "proposer='auto' with `prompt_lookup_num_tokens`, or proposer='suffix'."
         )
-    if config.tree_node_budget:
-        raise ValueError("Continuous batching verifies chains: set `tree_node_budget=0` in the DynSpecConfig.")
     if prompt_lookup_num_tokens is None:
         raise ValueError(
-            "Say where draft tokens come from: `prompt_lookup_num_tokens=N` (prompt lookup, up to N tokens a step), "
-            "or `dynspec_config=DynSpecConfig(proposer='suffix')`."
+            "Say where draft tokens come from: `assistant_model` (a draft model), `prompt_lookup_num_tokens=N` "
+            "(prompt lookup, up to N tokens a step), or `dynspec_config=DynSpecConfig(proposer='suffix')`."
         )
     if not isinstance(prompt_lookup_num_tokens, int) or prompt_lookup_num_tokens < 1:
         raise ValueError(f"`prompt_lookup_num_tokens` must be a positive integer, got {prompt_lookup_num_tokens!r}.")
     lookup = LookupRequests(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
     return lookup, min(config.num_speculative_tokens, prompt_lookup_num_tokens)
+
+
+def _draft_proposer(
+    model: PreTrainedModel,
+    config: DynSpecConfig,
+    prompt_lookup_num_tokens: int | None,
+    assistant_model: PreTrainedModel,
+) -> DraftModelRequests:
+    """A draft model's proposer, with clear errors for what continuous batching does not combine with it yet."""
+    if config.proposer != "auto" or prompt_lookup_num_tokens is not None:
+        raise ValueError(
+            "Under continuous batching a draft model drafts alone: drop `prompt_lookup_num_tokens` and use "
+            "DynSpecConfig(proposer='auto') (hybrid and suffix+draft proposals run in `hf_dynspec.generate`)."
+        )
+    check_vocabularies(model, assistant_model)
+    _check_attention(assistant_model)
+    _paged_implementation(assistant_model)
+    return DraftModelRequests(assistant_model)
 
 
 def generate_batch(

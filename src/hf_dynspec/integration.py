@@ -152,9 +152,9 @@ def enable(
     several greedy sequences per prompt) and calls with their own `custom_generate` run transformers' `generate`.
 
     Continuous batching (`model.generate_batch`, `model.init_continuous_batching()`, TRL's
-    `use_transformers_continuous_batching`, `transformers serve --continuous-batching`) speculates when a model-free
-    proposer is named: a bound `dynspec_config` with proposer='suffix', or `prompt_lookup_num_tokens` in the
-    generation config; a bound draft model alone leaves it as transformers runs it (see `hf_dynspec.continuous`).
+    `use_transformers_continuous_batching`, `transformers serve --continuous-batching`) speculates with
+    `prompt_lookup_num_tokens` of the generation config, else with what is bound: the draft, or a `dynspec_config`
+    with proposer='suffix' (see `hf_dynspec.continuous`; a draft with suffix proposals runs in `generate` only).
 
     A PEFT model (`PeftModel` with LoRA or other adapters that change weights, not prompt learning) is enabled on its
     base model, whose layers hold the adapters, so `peft_model.generate` reaches the loop through peft's own
@@ -218,19 +218,22 @@ def _dynspec_init_continuous_batching(
     workload_hints: Any = None,
 ):
     """`init_continuous_batching` of an enabled model: a speculating manager (`hf_dynspec.continuous`) when the
-    binding or the generation config names a model-free proposer (a `dynspec_config` with proposer='suffix', or
-    `prompt_lookup_num_tokens`), else transformers' own. A manager cached on the model (`persistent_manager=True`)
-    is reused as transformers reuses it. A bound draft model alone does not speculate under continuous batching."""
+    generation config names prompt lookup (`prompt_lookup_num_tokens`), or the binding a draft model or a suffix
+    config; else transformers' own. A manager cached on the model (`persistent_manager=True`) is reused as
+    transformers reuses it."""
     original = type(self).init_continuous_batching
     lookup = _setting(self, {"generation_config": generation_config}, "prompt_lookup_num_tokens")
-    config = self._dynspec_binding.dynspec_config
+    binding = self._dynspec_binding
+    config = binding.dynspec_config
     suffix = config is not None and DynSpecConfig.coerce(config).proposer == "suffix"
-    if getattr(self, "_cached_continuous_batching_manager", None) is not None or (lookup is None and not suffix):
+    draft = binding.assistant_model if lookup is None else None
+    cached = getattr(self, "_cached_continuous_batching_manager", None) is not None
+    if cached or (lookup is None and not suffix and draft is None):
         return original(self, generation_config, continuous_batching_config, workload_hints)
     from .continuous import init_continuous_batching
 
     return init_continuous_batching(
-        self, prompt_lookup_num_tokens=lookup, dynspec_config=config, generation_config=generation_config,
+        self, draft, prompt_lookup_num_tokens=lookup, dynspec_config=config, generation_config=generation_config,
         continuous_batching_config=continuous_batching_config, workload_hints=workload_hints,
     )
 

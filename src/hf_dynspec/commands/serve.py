@@ -1,10 +1,11 @@
 """`hf-dynspec serve`: transformers' OpenAI-compatible server with speculation.
 
-    hf-dynspec serve [MODEL] --continuous-batching --proposer suffix [--port 8000] [--dtype auto]
+    hf-dynspec serve [MODEL] --continuous-batching --draft DRAFT [--port 8000] [--dtype auto]
+    hf-dynspec serve [MODEL] --continuous-batching --proposer suffix
     hf-dynspec serve [MODEL] --continuous-batching --prompt-lookup-num-tokens 4
 
-MODEL defaults to the default target (`qwen2.5-coder-1.5b`, from its pip packages); any model `transformers serve`
-takes works too. Clients talk to it as to `transformers serve`: `/v1/chat/completions`, `/v1/completions`,
+MODEL defaults to the default target (`qwen2.5-coder-1.5b`, from its pip packages), DRAFT (a draft model) to
+nothing: `--draft qwen2.5-coder-0.5b` serves the default pair. Any model `transformers serve` takes works too. Clients talk to it as to `transformers serve`: `/v1/chat/completions`, `/v1/completions`,
 `/v1/responses`, streaming included.
 """
 
@@ -14,7 +15,7 @@ import argparse
 from typing import Any
 
 from ..config import DynSpecConfig
-from ..evaluation.models import DEFAULT_TARGET
+from ..evaluation.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
 SERVE_OPTIONS = {
     # our flag: (transformers serve's option, type, help)
@@ -35,8 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Serve a model over transformers' OpenAI-compatible server, speculating.",
         description=(
             "Runs `transformers serve MODEL` with the model enabled by hf_dynspec: under --continuous-batching every "
-            "decoding request drafts from prompt lookup or suffix trees, with a draft length the policy chooses from "
-            "the load each step."
+            "decoding request drafts from a draft model, prompt lookup or suffix trees, with a draft length the policy "
+            "chooses from the load each step."
         ),
     )
     parser.add_argument("model", nargs="?", default=DEFAULT_TARGET,
@@ -44,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--continuous-batching", action="store_true",
                         help="Serve with transformers' continuous batching (paged attention), where speculation is "
                              "chosen per request and step.")
+    parser.add_argument("--draft", default=None, metavar="NAME",
+                        help=f"Draft model: registry name (the default pair's is {DEFAULT_DRAFT}), local folder or "
+                             "Hub id; loaded in the served model's dtype.")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                         help="Draft up to this many tokens a step by prompt lookup.")
     parser.add_argument("--proposer", choices=("suffix",), default=None,
@@ -65,6 +69,7 @@ def serve_arguments(args: argparse.Namespace) -> dict[str, Any]:
     options.setdefault("device", "cpu")
     return {
         "model": args.model,
+        "assistant_model": args.draft,
         "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
         "dynspec_config": config,
         "continuous_batching": args.continuous_batching,

@@ -5,8 +5,10 @@ Each rate has one arrival trace (Poisson: exponential gaps, a fixed seed), the s
 plain continuous batching (`cb-plain`, `model.init_continuous_batching`), or a speculating manager
 (`hf_dynspec.init_continuous_batching`) with a proposer and a policy:
 
-- `cb-suffix`, `cb-lookup:N`: suffix trees or prompt lookup (up to N tokens), draft lengths from the goodput policy;
-- `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting up to K tokens.
+- `cb-draft`, `cb-suffix`, `cb-lookup:N`: the draft model (in its own paged cache), suffix trees or prompt lookup
+  (up to N tokens), draft lengths from the goodput policy;
+- `cb-draft-static:K`, `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting
+  up to K tokens.
 
 Per request: latency (arrival to last token), time to first token, time per output token after the first. Per run:
 output tokens per second from the first arrival to the last token. The default rates are shares of the plain
@@ -38,30 +40,31 @@ class ServeMethod:
     """A way to serve: plain continuous batching, or speculation from `proposer` sized by `policy`."""
 
     name: str
-    proposer: str | None = None  # "suffix" or "lookup"; None: plain
+    proposer: str | None = None  # "draft", "suffix" or "lookup"; None: plain
     policy: str = "goodput"
     tokens: int = 4  # most draft tokens a request proposes in a step
 
     @classmethod
     def parse(cls, name: str) -> ServeMethod:
-        """`cb-plain`, `cb-suffix[-static][:K]` or `cb-lookup[-static][:K]`."""
+        """`cb-plain`, or `cb-<proposer>[-static][:K]` with proposer `draft`, `suffix` or `lookup`."""
         if name == "cb-plain":
             return cls(name)
         base, _, tokens = name.partition(":")
         parts = base.split("-")
-        if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in ("suffix", "lookup") or (
+        if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in ("draft", "suffix", "lookup") or (
             len(parts) == 3 and parts[2] != "static"
         ):
             raise ValueError(
-                f"Unknown serve method {name!r}: use cb-plain, cb-suffix[-static][:K] or cb-lookup[-static][:K]."
+                f"Unknown serve method {name!r}: use cb-plain, or cb-draft, cb-suffix or cb-lookup, each optionally "
+                "with -static and :K (cb-suffix-static:4)."
             )
         if tokens and (not tokens.isdigit() or int(tokens) < 1):
             raise ValueError(f"Serve method {name!r}: the number after ':' must be a positive integer.")
         policy = "static" if len(parts) == 3 else "goodput"
         return cls(name, parts[1], policy, int(tokens) if tokens else 4)
 
-    def manager(self, model: torch.nn.Module, generation_config: Any, cb_config: Any):
-        """A started manager for this method."""
+    def manager(self, model: torch.nn.Module, generation_config: Any, cb_config: Any, draft: Any = None):
+        """A started manager for this method (`draft`: the draft model of `cb-draft` methods)."""
         if self.proposer is None:
             manager = model.init_continuous_batching(
                 generation_config=generation_config, continuous_batching_config=cb_config
@@ -76,8 +79,8 @@ class ServeMethod:
                                    proposer="suffix" if self.proposer == "suffix" else "auto")
             lookup = self.tokens if self.proposer == "lookup" else None
             manager = init_continuous_batching(
-                model, prompt_lookup_num_tokens=lookup, dynspec_config=config, generation_config=generation_config,
-                continuous_batching_config=cb_config,
+                model, draft if self.proposer == "draft" else None, prompt_lookup_num_tokens=lookup,
+                dynspec_config=config, generation_config=generation_config, continuous_batching_config=cb_config,
             )
         manager.start()
         return manager
@@ -153,6 +156,7 @@ def run_serve_benchmark(
     seed: int,
     cb_config: dict[str, Any],
     progress: bool = True,
+    draft: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
     """Every method at every rate (requests/s, or `"<share>x"` of the plain manager's capacity), `repetitions` times
     (methods rotated), on one arrival trace per rate; greedy.
@@ -168,7 +172,7 @@ def run_serve_benchmark(
     plain = ServeMethod.parse("cb-plain")
 
     def serve(method: ServeMethod, arrivals: list[float]) -> dict[str, Any]:
-        manager = method.manager(model, generation_config, ContinuousBatchingConfig(**cb_config))
+        manager = method.manager(model, generation_config, ContinuousBatchingConfig(**cb_config), draft)
         try:
             run = run_trace(manager, prompts[: len(arrivals)], arrivals, max_new_tokens)
         finally:
@@ -290,14 +294,14 @@ def run_serve(settings: Any, progress: bool = True) -> dict[str, Any]:
     methods = [ServeMethod.parse(name) for name in settings.methods.split(",") if name]
     if not any(method.name == "cb-plain" for method in methods):
         methods.insert(0, ServeMethod.parse("cb-plain"))
-    model, _, prompts = load_inputs(settings, need_draft=False)
+    model, draft, prompts = load_inputs(settings, need_draft=any(method.proposer == "draft" for method in methods))
     page = 64
     longest = max(len(prompt) for prompt in prompts) + settings.max_new_tokens
     cb_config = {"page_size": page, "num_blocks": len(prompts) * (math.ceil(longest / page) + 1),
                  "max_batch_tokens": 1024, "use_async_batching": False}
     results = run_serve_benchmark(
         model, prompts, methods, max_new_tokens=settings.max_new_tokens, rates=settings.rates,
-        repetitions=settings.repetitions, seed=settings.seed, cb_config=cb_config, progress=progress,
+        repetitions=settings.repetitions, seed=settings.seed, cb_config=cb_config, progress=progress, draft=draft,
     )
     config = {key: value for key, value in asdict(settings).items() if key != "loaded_models"}
     return {"config": {**config, "continuous_batching": cb_config, "prompt_tokens": [len(p) for p in prompts]},
