@@ -618,9 +618,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         for each the index of its request among those that get a new token (the logits processors' argument column).
         """
         indices, columns = [], []
-        futures = [f for f, end in zip(self.inputs_and_outputs.requests_in_batch, cumulative[1:]) if f.has_new_token]
-        ends = [end for f, end in zip(self.inputs_and_outputs.requests_in_batch, cumulative[1:]) if f.has_new_token]
-        for column, (future, end) in enumerate(zip(futures, ends)):
+        ends = zip(self.inputs_and_outputs.requests_in_batch, cumulative[1:])
+        for column, (future, end) in enumerate((f, end) for f, end in ends if f.has_new_token):
             width = 1 + len(self._draft(future))
             indices.extend(range(end - width, end))
             columns.extend([column] * width)
@@ -645,35 +644,26 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
     def _update_verified(self, futures: list[FutureRequestState]) -> dict[str, int]:
         """Emit the verified tokens of drafting requests; the other requests' tokens go through transformers' update."""
         scores = self._scores
-        drafting, others, other_tokens, other_logprobs = [], [], [], []
+        drafting, others, plain_rows = [], [], []
         offset = 0
         for future in futures:
-            if not future.has_new_token:
-                others.append(future)
-                continue
             draft = self._draft(future)
-            rows = scores[offset : offset + 1 + len(draft)]  # [1 + k, vocab]
-            offset += 1 + len(draft)
             if draft:
-                drafting.append((future, draft, rows))
+                drafting.append((future, draft, scores[offset : offset + 1 + len(draft)]))  # [1 + k, vocab]
             else:
-                token, logprob = self._sample(rows)
                 others.append(future)
-                other_tokens.append(token)
-                other_logprobs.append(logprob)
+                if future.has_new_token:
+                    plain_rows.append(offset)
+            offset += 1 + len(draft) if future.has_new_token else 0
         verified = self._verify(drafting)
         outputs = [self._emit(future, result) for (future, _, _), result in zip(drafting, verified)]
-        self._hand_over(others, other_tokens, other_logprobs)
+        if plain_rows:  # transformers' sampler writes their tokens (and log-probabilities) where its update reads them
+            self.model_runner._sample(scores[plain_rows].unsqueeze(0), self.inputs_and_outputs.output_ids)
+        self._hand_over(others)
         delivered = [output for output in outputs if output is not None]
         if delivered:
             self.output_router.deliver_batch(delivered)
         return {future.state.request_id: result.accepted for (future, _, _), result in zip(drafting, verified)}
-
-    def _sample(self, rows: torch.Tensor) -> tuple[int, float | None]:
-        """A request's next token from its one scored position, as transformers' sampler draws it."""
-        probs = torch.softmax(rows[0], dim=-1) if self.do_sample or self.return_logprobs else rows[0]
-        token = int(torch.multinomial(probs, 1)) if self.do_sample else int(rows[0].argmax())
-        return token, float(probs[token].log()) if self.return_logprobs else None
 
     def _verify(self, drafting: list[tuple[FutureRequestState, list[int], torch.Tensor]]) -> list[_Verified]:
         """Greedy matching or rejection sampling of every drafting request's draft, in one batch."""
@@ -723,16 +713,11 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             self.cache.mark_complete_blocks(state, complete)
         return state.to_generation_output() if state.streaming or finished else None
 
-    def _hand_over(self, futures: list[FutureRequestState], tokens: list[int], logprobs: list[float | None]) -> None:
+    def _hand_over(self, futures: list[FutureRequestState]) -> None:
         """Run transformers' own update on the requests without a draft (prefill chunks, plain decoding, forks)."""
         ios = self.inputs_and_outputs
         ios.requests_in_batch = futures
         ios.num_request_in_batch = len(futures)
-        if tokens:
-            ios.output_ids[0, : len(tokens)] = torch.tensor(tokens, dtype=ios.output_ids.dtype)
-            if self.return_logprobs:
-                values = torch.tensor(logprobs, dtype=torch.float32).view(torch.int32)
-                ios.output_ids[1, : len(tokens)] = values
         if futures:
             super().update_batch()
 
