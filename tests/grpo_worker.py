@@ -29,7 +29,9 @@ PROMPTS = ["w5 w9 w17", "w40 w3 w8", "w7 w7 w7", "w22 w23 w11"]
 
 
 def length_reward(completions: list[str], **kwargs) -> list[float]:
-    return [float(len(completion.split())) for completion in completions]
+    """Characters of the completion: samples of one prompt almost surely differ in it (words like `w5` and `w17`
+    differ in length), so every group has an advantage to train on even when no sample ends early."""
+    return [float(len(completion)) for completion in completions]
 
 
 def train(out_dir: Path, lora: bool, continuous: bool = False) -> None:
