@@ -259,6 +259,10 @@ def test_requests_that_cannot_speculate_get_clear_errors():
                                             generation_config=config)
     with pytest.raises(ValueError, match="vocabulary"):
         hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2, vocab=40), generation_config=config)
+    flex = tiny_model("llama", seed=2)
+    flex.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="cannot read a paged cache"):
+        hf_dynspec.init_continuous_batching(model, flex, generation_config=config)
     with pytest.raises(ValueError, match="needs a draft model"):
         hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "hybrid"})
     with pytest.raises(ValueError, match="positive integer"):
