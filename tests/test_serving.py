@@ -137,7 +137,8 @@ def test_serve_command_line_maps_to_transformers_serve_options():
     assert config.proposer == "suffix" and config.policy == "static" and config.num_speculative_tokens == 3
     assert arguments == {"model": "some/model", "assistant_model": None, "prompt_lookup_num_tokens": None,
                          "continuous_batching": True, "port": 8123, "cb_num_blocks": 32, "device": "cpu"}
-    pair = serve_arguments(build_parser().parse_args(["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b"]))
+    command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b"]
+    pair = serve_arguments(build_parser().parse_args(command))
     assert pair["model"] == "qwen2.5-coder-1.5b" and pair["assistant_model"] == "qwen2.5-coder-0.5b"
 
 

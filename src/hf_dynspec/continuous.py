@@ -408,7 +408,8 @@ class Speculator:
             self.rows = {s.request_id: _Row(s, self._slot(s), 0) for s in states}
             return
         requests = [
-            DraftRequest(s.request_id, s.initial_tokens + s.generated_tokens, min(self.max_draft_tokens, _remaining(s) - 1))
+            DraftRequest(s.request_id, s.initial_tokens + s.generated_tokens,
+                         min(self.max_draft_tokens, _remaining(s) - 1))
             for s in states
         ]
         request = PolicyInput(
@@ -799,7 +800,8 @@ def init_continuous_batching(
     Drafts come from `assistant_model` (a draft model sharing the target's vocabulary, in a paged cache of its own:
     `DraftModelRequests`), from prompt lookup (`prompt_lookup_num_tokens`, the most draft tokens a request proposes in
     a step) or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output
-    (the `suffix` extra). Greedy outputs equal those of `model.generate_batch`; sampled ones follow the same distribution.
+    (the `suffix` extra). Greedy outputs equal those of `model.generate_batch`; sampled ones follow the same
+    distribution.
 
     Example:
 

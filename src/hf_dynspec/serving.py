@@ -4,8 +4,8 @@
 `/v1/responses` from a continuous-batching manager it starts with `model.init_continuous_batching`. `serve` runs
 that same server, its handlers and schema unchanged, with the model enabled (`hf_dynspec.enable`) as it is loaded:
 its manager is then hf_dynspec's (`hf_dynspec.continuous`), and every decoding request drafts from a draft model,
-prompt lookup or suffix trees as the policy chooses, step by step. Without `--continuous-batching` the server's `generate` calls
-speculate through the same binding.
+prompt lookup or suffix trees as the policy chooses, step by step. Without `--continuous-batching` the server's
+`generate` calls speculate through the same binding.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
     hf-dynspec serve [MODEL] --continuous-batching --prompt-lookup-num-tokens 4
 
 MODEL defaults to the default target (`qwen2.5-coder-1.5b`, from its pip packages), DRAFT (a draft model) to
-nothing: `--draft qwen2.5-coder-0.5b` serves the default pair. Any model `transformers serve` takes works too. Clients talk to it as to `transformers serve`: `/v1/chat/completions`, `/v1/completions`,
+nothing: `--draft qwen2.5-coder-0.5b` serves the default pair. Any model `transformers serve` takes works too.
+Clients talk to it as to `transformers serve`: `/v1/chat/completions`, `/v1/completions`,
 `/v1/responses`, streaming included.
 """
 
