@@ -208,6 +208,7 @@ class DraftModelRequests(RequestProposer):
         self.inputs = ContinuousBatchingIOs(
             self.cache, text_config, settings, self.model.device, self.model.dtype, self._processors
         )
+        self._keeps_logits = _supports_logits_to_keep(self.model)
         self._max_tokens = self.cache.max_batch_tokens
         self._max_requests = settings.max_requests_per_batch
 
@@ -305,15 +306,10 @@ class DraftModelRequests(RequestProposer):
         self.inputs.prepare_batch_tensors(futures, self._processors, False, query, past, False)
         batch = self.inputs.get_model_kwargs(use_padding=False)
         batch.pop("logits_processor_args", None)
-        indices = batch["logits_indices"]
-        if _supports_logits_to_keep(self.model):
-            batch["logits_to_keep"] = indices
-        logits = self.model(**batch).logits  # [1, fed requests (or every query position), vocab]
-        if "logits_to_keep" not in batch:
-            logits = logits[:, indices]
+        logits = _kept_logits(self.model, batch, batch["logits_indices"], self._keeps_logits)  # [fed requests, vocab]
         for request_id, tokens in feeds:
             self._sequences[request_id].seen.extend(tokens)
-        return logits[0]
+        return logits
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -328,6 +324,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _supports_logits_to_keep(model: PreTrainedModel) -> bool:
     supports = getattr(model, "_supports_logits_to_keep", None)
     return callable(supports) and bool(supports())
+
+
+def _kept_logits(model: torch.nn.Module, batch: dict, indices: torch.Tensor, keep: bool) -> torch.Tensor:
+    """`model`'s logits at the packed query positions `indices` (`[len(indices), vocab]`), computed there alone when
+    the model takes `logits_to_keep` (`keep`)."""
+    batch["logits_indices"] = indices
+    if keep:
+        batch["logits_to_keep"] = indices
+    logits = model(**batch).logits  # [1, kept positions (or every query position), vocab]
+    return logits[0] if keep else logits[0, indices]
 
 
 def _paged_implementation(model: PreTrainedModel) -> str:
@@ -602,13 +608,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         ios = self.inputs_and_outputs
         batch = ios.get_model_kwargs(use_padding=False)
         indices, columns = self._score_positions(batch["cu_seq_lens_q"].tolist())
-        batch["logits_indices"] = indices
-        if self.model_runner.supports_logits_to_keep(model):
-            batch["logits_to_keep"] = indices
-        logits = model(**batch).logits  # [1, scored positions (or every query position), vocab]
-        if "logits_to_keep" not in batch:
-            logits = logits[:, indices]
-        scores = logits[0].float()  # [scored positions, vocab]
+        keep = self.model_runner.supports_logits_to_keep(model)
+        scores = _kept_logits(model, batch, indices, keep).float()  # [scored positions, vocab]
         if self.logit_processor.do_processing:
             arguments = batch["logits_processor_args"][:, columns]  # [arguments, scored positions]
             scores = self.logit_processor(batch["input_ids"][0, indices], scores, arguments)
