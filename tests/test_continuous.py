@@ -16,7 +16,8 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.candidates.suffix import clear_suffix_caches
-from hf_dynspec.continuous import DraftModelRequests, SpeculativeManager
+from hf_dynspec.continuous import DraftModelRequests, DraftRequest, ModelFreeRequests, SpeculativeManager, Speculator
+from hf_dynspec.policies.static import StaticPolicy
 
 
 def cb_config(page_size: int = 16, num_blocks: int = 64, max_batch_tokens: int = 256, **kwargs):
@@ -124,6 +125,88 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
         assert stats.draft_tokens > 0 and stats.accepted_tokens > 0, stats
 
 
+TREE_CASES = [
+    # family, policy, page size, step token budget, prompt lengths, copies, new tokens, tree nodes
+    ("llama", "static", 8, 256, [8, 12], 3, 36, 8),
+    ("llama", "goodput", 4, 256, [5, 9, 14], 4, 40, 10),
+    ("qwen2", "static", 4, 20, [7, 10, 5], 3, 28, 6),
+]
+
+
+@pytest.mark.parametrize(("family", "policy", "page", "budget", "lengths", "copies", "new", "nodes"), TREE_CASES)
+def test_suffix_trees_match_plain_generate_batch(family, policy, page, budget, lengths, copies, new, nodes):
+    """Suffix token trees (sibling requests make them branch) give the tokens of plain `generate_batch`, with small
+    pages and step budgets that cut trees, over two passes."""
+    model = tiny_model(family, seed=0)
+    prompts = repetitive_prompts(lengths, seed=len(lengths) + copies, copies=copies)
+    config = greedy(new)
+    expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(page))
+    clear_suffix_caches(model)
+    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix", tree_node_budget=nodes)
+    manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
+                          dynspec_config=spec)
+    try:
+        for attempt in range(2):
+            got = list(run(manager, prompts, new).values())
+            for row, (want, have) in enumerate(zip(expected.values(), got)):
+                assert have == want.generated_tokens, f"pass {attempt}, request {row}"
+    finally:
+        manager.stop(block=True)
+    assert manager.speculation.accepted_tokens > 0, manager.speculation
+
+
+class SecondBranchTrees(ModelFreeRequests):
+    """Token trees whose first branch is wrong and whose second is plain decoding's continuation (`outputs`, by
+    prompt): every accepted node sits away from its path's position, so its keys and values must be moved."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        super().__init__()
+        self.outputs, self.vocab = outputs, vocab
+
+    def _continuation(self, tokens: list[int]) -> list[int]:
+        for prompt, output in self.outputs.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                return output[len(tokens) - len(prompt) :]
+        raise AssertionError("unknown request")
+
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+        return self._continuation(tokens)[:max_tokens], 1
+
+    def trees(self, requests: list[DraftRequest], depths: list[int], budgets: list[int]):
+        trees = []
+        for request, depth in zip(requests, depths):
+            truth = self._continuation(request.tokens)[:depth]
+            if not truth:
+                trees.append(([], []))
+                continue
+            wrong = [(truth[0] + 1 + j) % self.vocab for j in range(len(truth))]
+            parents = list(range(len(truth))) + [0] + list(range(len(truth) + 1, 2 * len(truth)))
+            trees.append((wrong + truth, parents))
+        return trees
+
+
+def test_an_accepted_second_branch_moves_its_keys_and_values():
+    """Every step accepts its whole depth through a tree's second branch: the outputs stay those of plain decoding
+    only if each node saw its ancestors alone, at its depth's position, and the accepted nodes' keys and values
+    moved to their path's positions in the paged cache (across page boundaries: pages of 4)."""
+    model = tiny_model("llama", seed=2)
+    prompts = repetitive_prompts([6, 9, 13, 4], seed=5)
+    config = greedy(30, eos_token_id=None)
+    plain = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(4))
+    outputs = {tuple(p): o.generated_tokens for p, o in zip(prompts, plain.values())}
+    proposer = SecondBranchTrees(outputs, model.config.vocab_size)
+    speculator = Speculator(model, proposer, StaticPolicy(3), max_draft_tokens=3, max_tree_nodes=6)
+    manager = SpeculativeManager(model, config, cb_config(4), speculator=speculator)
+    manager.start()
+    try:
+        got = list(run(manager, prompts, 30).values())
+    finally:
+        manager.stop(block=True)
+    assert got == list(outputs.values())
+    stats = manager.speculation
+    assert stats.accepted_tokens > 10 and 2 * stats.accepted_tokens == stats.draft_tokens, stats  # half the nodes
+
+
 def test_generate_batch_matches_plain_and_leaves_no_manager_behind():
     model = tiny_model("llama", seed=1)
     prompts = repetitive_prompts([6, 10, 4], seed=3)
@@ -214,9 +297,10 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_token_accepted():
     assert draft.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "suffix", "draft"])
+@pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft"])
 def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
-    """Sampled requests (temperature) speculate and follow the target's joint law of their tokens."""
+    """Sampled requests (temperature) speculate and follow the target's joint law of their tokens (suffix trees:
+    through multi-draft rejection sampling)."""
     target, draft = small_vocab_pair
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     temperature = 0.9
@@ -227,8 +311,9 @@ def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa
     config = GenerationConfig(max_new_tokens=LOOP_NEW, do_sample=True, temperature=temperature, top_k=None,
                               top_p=None, eos_token_id=None, pad_token_id=0)
     kwargs = {"lookup": {"prompt_lookup_num_tokens": 3}, "draft": {"assistant_model": draft}}.get(proposer, {})
-    spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer="suffix" if proposer == "suffix" else
-                         "auto", suffix_min_token_probability=0.0)
+    source = "auto" if proposer in ("lookup", "draft") else "suffix"
+    spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer=source,
+                         suffix_min_token_probability=0.0, tree_node_budget=6 if proposer == "suffix-tree" else 0)
     cb = cb_config(page_size=16, num_blocks=512, max_batch_tokens=2048, max_requests_per_batch=256)
     manager = speculating(target, generation_config=config, cb=cb, dynspec_config=spec, **kwargs)
     samples: dict[int, torch.Tensor] = {}
@@ -267,9 +352,14 @@ def test_requests_that_cannot_speculate_get_clear_errors():
         hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "hybrid"})
     with pytest.raises(ValueError, match="positive integer"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=0, generation_config=config)
-    with pytest.raises(ValueError, match="tree_node_budget=0"):
+    with pytest.raises(ValueError, match="token trees come from suffix proposals"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2, generation_config=config,
                                             dynspec_config={"tree_node_budget": 4})
+    flash = tiny_model("llama", seed=2)
+    flash.config._attn_implementation = "paged|flash_attention_2"
+    with pytest.raises(ValueError, match="takes a mask"):
+        hf_dynspec.init_continuous_batching(flash, generation_config=config,
+                                            dynspec_config={"tree_node_budget": 4, "proposer": "suffix"})
     with pytest.raises(ValueError, match="drop `prompt_lookup_num_tokens`"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2, generation_config=config,
                                             dynspec_config={"proposer": "suffix"})

@@ -18,6 +18,10 @@ over a paged KV cache. Speculation enters at three seams of that engine, and now
 - the request's position then moves back over its rejected positions, which the next step overwrites in the paged
   cache. Blocks registered for prefix sharing are counted over the accepted positions only.
 
+Suffix proposals may be token trees: a tree's nodes are the request's query (parents first), its block of the step's
+attention mask is rewritten so that each node sees its ancestors alone, at its depth's position, and the accepted
+nodes' keys and values are copied to their path's positions after verification.
+
 Requests without a draft go through transformers' own update, unchanged, so a step in which no request drafts is
 exactly a plain continuous-batching step. What this module relies on of transformers' internals lives here alone.
 """
@@ -50,12 +54,13 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 
 from .candidates.draft_model import MAX_INLINE_TAIL
 from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
-from .candidates.suffix import SuffixCache, SuffixSettings, suffix_cache_for
+from .candidates.suffix import SuffixCache, SuffixSettings, cut_tree, suffix_cache_for
+from .candidates.tree import TokenTree
 from .config import DynSpecConfig
 from .loop import _parameter_ratio, _policy_for
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .validation import check_vocabularies
-from .verification import verify_greedy, verify_sampling
+from .verification import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 
 # ---- proposers ------------------------------------------------------------------------------------------------------
@@ -96,6 +101,13 @@ class RequestProposer(ABC):
     @abstractmethod
     def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
         """Each request's draft tokens, at most its length (the `requests` `hints` last saw)."""
+
+    def trees(
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each request's token tree of at most `budgets[i]` nodes and depth `depths[i]`: its tokens and their parent
+        nodes (node 0 is the request's newest token), parents before children."""
+        raise NotImplementedError(f"{type(self).__name__} drafts chains, not token trees.")
 
 
 class ModelFreeRequests(RequestProposer):
@@ -151,6 +163,20 @@ class SuffixRequests(ModelFreeRequests):
         self._write(request_id, tokens)
         draft = self.cache.speculate(self._requests[request_id], tokens, max_tokens, tree=False)
         return (list(draft.token_ids), int(draft.match_len)) if draft is not None else ([], 0)
+
+    def trees(
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each request's suffix tree of at most `budgets[i]` nodes cut at depth `depths[i]`: its tokens and their
+        parents (node 0 is the request's newest token, the tree's root), parents before children."""
+        trees = []
+        for request, depth, budget in zip(requests, depths, budgets):
+            draft = None
+            if depth > 0 and budget > 0:
+                draft = self.cache.speculate(self._requests[request.request_id], request.tokens, budget, tree=True)
+            tokens, parents = cut_tree(draft.token_ids, draft.parents, depth) if draft is not None else ([], [])
+            trees.append((tokens, [parent + 1 for parent in parents]))
+        return trees
 
     def finish(self, request_id: str, tokens: list[int] | None) -> None:
         if tokens is not None:
@@ -359,7 +385,7 @@ class SpeculationStats:
     steps: int = 0  # forwards
     decode_steps: int = 0  # forwards with at least one decoding request
     drafting_steps: int = 0  # forwards in which a request drafted
-    draft_tokens: int = 0  # draft tokens verified
+    draft_tokens: int = 0  # draft tokens verified (every node of a token tree)
     accepted_tokens: int = 0  # of those, accepted
     emitted_tokens: int = 0  # tokens decoding requests emitted (accepted ones and one per decoding request and step)
 
@@ -374,8 +400,19 @@ class _Row:
 
     state: RequestState
     slot: int  # the request's row id for the policy
-    requested: int  # draft tokens the policy asked for
+    requested: int  # draft tokens the policy asked for (a tree's depth)
     draft: list[int] = field(default_factory=list)  # draft tokens the request verifies (after the scheduler's cut)
+    parents: list[int] | None = None  # a token tree's: each draft token's parent node (0 = the newest token)
+
+    @property
+    def depth(self) -> int:
+        """Draft tokens on the longest path: the draft's length for a chain."""
+        if self.parents is None:
+            return len(self.draft)
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent] + 1)
+        return max(depths)
 
 
 class Speculator:
@@ -386,12 +423,18 @@ class Speculator:
     """
 
     def __init__(
-        self, target: PreTrainedModel, proposer: RequestProposer, policy: DraftLengthPolicy, max_draft_tokens: int
+        self,
+        target: PreTrainedModel,
+        proposer: RequestProposer,
+        policy: DraftLengthPolicy,
+        max_draft_tokens: int,
+        max_tree_nodes: int = 0,
     ) -> None:
         self.target = target
         self.proposer = proposer
         self.policy = policy
         self.max_draft_tokens = max_draft_tokens
+        self.max_tree_nodes = max_tree_nodes  # most draft nodes of a request's token tree; 0 = chains
         self.stats = SpeculationStats()
         self.rows: dict[str, _Row] = {}  # this step's decoding requests, by request id
         self._known: dict[str, RequestState] = {}  # every request the proposer has started
@@ -423,17 +466,29 @@ class Speculator:
             row_ids=torch.tensor([self._slot(s) for s in states], dtype=torch.long),
             remaining_tokens=torch.tensor([_remaining(s) for s in states], dtype=torch.long),
             max_draft_tokens=self.max_draft_tokens,
+            max_tree_nodes=self.max_tree_nodes,
             **self.proposer.hints(requests),
         )
         chosen = self.policy.draft_lengths(request).cpu().tolist()  # [decoding requests]
         lengths = [max(0, min(int(n), r.cap)) for n, r in zip(chosen, requests)]
-        drafts = self.proposer.drafts(requests, lengths)
-        self._catchup = (self.proposer.catchup_seconds, self.proposer.catchup_tokens)
-        for state, slot, length, draft in zip(states, request.row_ids.tolist(), lengths, drafts):
-            row = _Row(state, slot, length, draft[:length])
+        for state, slot, length, (draft, parents) in zip(
+            states, request.row_ids.tolist(), lengths, self._drafts(request, requests, lengths)
+        ):
+            row = _Row(state, slot, length, draft, parents)
             state.tokens_to_process = state.tokens_to_process[:1] + row.draft
             self.rows[state.request_id] = row
+        self._catchup = (self.proposer.catchup_seconds, self.proposer.catchup_tokens)
         self._draft_seconds = time.perf_counter() - start - self._catchup[0]
+
+    def _drafts(
+        self, request: PolicyInput, requests: list[DraftRequest], lengths: list[int]
+    ) -> list[tuple[list[int], list[int] | None]]:
+        """Each request's draft of the chosen length (depth) and, for token trees, its tokens' parent nodes."""
+        if not self.max_tree_nodes:
+            return [(draft[:length], None) for draft, length in zip(self.proposer.drafts(requests, lengths), lengths)]
+        budgets = self.policy.node_budgets(request, torch.tensor(lengths, dtype=torch.long))  # [decoding requests]
+        budgets = [min(max(int(b), 1), self.max_tree_nodes) if n > 0 else 0 for b, n in zip(budgets.tolist(), lengths)]
+        return self.proposer.trees(requests, lengths, budgets)
 
     def _slot(self, state: RequestState) -> int:
         if state.request_id not in self._slots:
@@ -473,7 +528,8 @@ class Speculator:
                 row.state.tokens_to_process = row.state.tokens_to_process[:1]
                 del self.rows[request_id]
             else:
-                row.draft = row.draft[: future.query_length - 1]
+                row.draft = row.draft[: future.query_length - 1]  # a tree's nodes come parents first: a cut stays one
+                row.parents = None if row.parents is None else row.parents[: len(row.draft)]
 
     @property
     def drafting(self) -> bool:
@@ -493,7 +549,7 @@ class Speculator:
         rows = list(self.rows.values())
         if not rows:
             return
-        drafted = torch.tensor([len(row.draft) for row in rows], dtype=torch.long)
+        drafted = torch.tensor([row.depth for row in rows], dtype=torch.long)  # [requests] a tree's deepest path
         taken = torch.tensor([accepted.get(row.state.request_id, 0) for row in rows], dtype=torch.long)
         feedback = StepFeedback(
             row_ids=torch.tensor([row.slot for row in rows], dtype=torch.long),
@@ -510,10 +566,23 @@ class Speculator:
         self.policy.observe(feedback)
         self.stats.decode_steps += 1
         self.stats.drafting_steps += int(bool((drafted > 0).any()))
-        self.stats.draft_tokens += int(drafted.sum())
+        self.stats.draft_tokens += sum(len(row.draft) for row in rows)
         self.stats.accepted_tokens += int(taken.sum())
         self.stats.emitted_tokens += int(taken.sum()) + len(rows)
         self._draft_seconds = 0.0
+
+
+def _ancestry(parents: list[int]) -> tuple[torch.BoolTensor, torch.LongTensor]:
+    """For a tree given by its nodes' `parents` (parents first, -1 at the root): which nodes each node sees (itself
+    and its ancestors, `[nodes, nodes]`) and each node's depth (`[nodes]`)."""
+    nodes = len(parents)
+    visible = torch.eye(nodes, dtype=torch.bool)
+    depths = torch.zeros(nodes, dtype=torch.long)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            visible[node] |= visible[parent]
+            depths[node] = depths[parent] + 1
+    return visible, depths
 
 
 def _decoding(state: RequestState) -> bool:
@@ -573,6 +642,7 @@ class _Verified:
     tokens: list[int]
     logprobs: list[float] | None
     accepted: int
+    path: list[int]  # the accepted draft nodes, by depth (a chain's: 1 to `accepted`)
 
 
 class SpeculativeBatchProcessor(ContinuousBatchProcessor):
@@ -607,6 +677,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         """The step's forward, keeping the scores of every query position of a drafting request."""
         ios = self.inputs_and_outputs
         batch = ios.get_model_kwargs(use_padding=False)
+        self._shape_trees(batch)
         indices, columns = self._score_positions(batch["cu_seq_lens_q"].tolist())
         keep = self.model_runner.supports_logits_to_keep(model)
         scores = _kept_logits(model, batch, indices, keep).float()  # [scored positions, vocab]
@@ -614,6 +685,26 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             arguments = batch["logits_processor_args"][:, columns]  # [arguments, scored positions]
             scores = self.logit_processor(batch["input_ids"][0, indices], scores, arguments)
         self._scores = scores
+
+    def _shape_trees(self, batch: dict) -> None:
+        """Give the token trees of the step their shape in the packed forward (built causal, as chains): each node
+        sits at its depth's position and attends to the request's cache and its own ancestors among the new keys."""
+        masks = batch["attention_mask"]
+        masks = masks if isinstance(masks, dict) else dict.fromkeys(batch["cu_seq_lens_k"], masks)
+        cumulative_q = batch["cu_seq_lens_q"].tolist()
+        cumulative_k = {layer_type: batch["cu_seq_lens_k"][layer_type].tolist() for layer_type in masks}
+        for i, future in enumerate(self.inputs_and_outputs.requests_in_batch):
+            row = self.speculator.rows.get(future.state.request_id)
+            if row is None or row.parents is None or not row.draft:
+                continue
+            start, nodes = cumulative_q[i], 1 + len(row.draft)
+            past = future.state.position_offset - future.query_length
+            visible, depths = _ancestry([-1] + row.parents)  # [nodes, nodes], [nodes]
+            batch["position_ids"][0, start : start + nodes] = past + depths
+            for layer_type, mask in masks.items():
+                end = cumulative_k[layer_type][i + 1]  # the request's new keys are the last of its key span
+                block = mask[..., start : start + nodes, end - nodes : end]  # [..., nodes, nodes]
+                block.fill_(torch.finfo(mask.dtype).min).masked_fill_(visible.to(block.device), 0.0)
 
     def _score_positions(self, cumulative: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Query positions whose scores the step needs (a request's last one; every one of a drafting request), and
@@ -658,6 +749,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
                     plain_rows.append(offset)
             offset += 1 + len(draft) if future.has_new_token else 0
         verified = self._verify(drafting)
+        self._move_accepted([(future, result.path) for (future, _, _), result in zip(drafting, verified)])
         outputs = [self._emit(future, result) for (future, _, _), result in zip(drafting, verified)]
         if plain_rows:  # transformers' sampler writes their tokens (and log-probabilities) where its update reads them
             self.model_runner._sample(scores[plain_rows].unsqueeze(0), self.inputs_and_outputs.output_ids)
@@ -671,6 +763,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         """Greedy matching or rejection sampling of every drafting request's draft, in one batch."""
         if not drafting:
             return []
+        if any(self.speculator.rows[future.state.request_id].parents is not None for future, _, _ in drafting):
+            return self._verify_trees(drafting)
         width = max(len(draft) for _, draft, _ in drafting)
         vocab = drafting[0][2].shape[-1]
         scores = torch.full((len(drafting), width + 1, vocab), float("-inf"))  # [requests, k + 1, vocab]
@@ -691,8 +785,45 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             logprobs = None
             if self.return_logprobs:
                 logprobs = [float(probs[i, j, token].log()) for j, token in enumerate(tokens)]
-            results.append(_Verified(tokens, logprobs, a))
+            results.append(_Verified(tokens, logprobs, a, list(range(1, a + 1))))
         return results
+
+    def _verify_trees(self, drafting: list[tuple[FutureRequestState, list[int], torch.Tensor]]) -> list[_Verified]:
+        """Greedy walks or multi-draft rejection sampling (each node a fixed proposal) of every drafting request's
+        token tree (chains as trees), in one batch."""
+        rows = [self.speculator.rows[future.state.request_id] for future, _, _ in drafting]
+        roots = [future.state.generated_tokens[-1] for future, _, _ in drafting]
+        tree = TokenTree.from_parent_lists(
+            [[root] + row.draft for root, row in zip(roots, rows)],
+            [[-1] + (row.parents if row.parents is not None else list(range(len(row.draft)))) for row in rows],
+        )
+        vocab = drafting[0][2].shape[-1]
+        scores = torch.full((len(drafting), tree.num_nodes, vocab), float("-inf"))  # [requests, nodes, vocab]
+        for i, (_, _, request_scores) in enumerate(drafting):
+            scores[i, : request_scores.shape[0]] = request_scores
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [requests, nodes, vocab]
+        outcome = verify_tree_sampling(probs, tree, None) if self.do_sample else verify_tree_greedy(scores, tree)
+        results = []
+        for i in range(len(drafting)):
+            a = int(outcome.accepted[i])
+            path = outcome.path[i, :a].tolist()  # accepted nodes, depth 1 to a
+            tokens = outcome.emitted[i, : a + 1].tolist()
+            logprobs = None
+            if self.return_logprobs:
+                logprobs = [float(probs[i, node, token].log()) for node, token in zip([0] + path, tokens)]
+            results.append(_Verified(tokens, logprobs, a, path))
+        return results
+
+    def _move_accepted(self, verified: list[tuple[FutureRequestState, list[int]]]) -> None:
+        """Copy the keys and values of accepted tree nodes to their path's positions (node at depth `d` to the
+        position after the request's newest token plus `d - 1`), in every layer; chains are already in place."""
+        moves = []  # (request id, from position, to position)
+        for future, path in verified:
+            past = future.state.position_offset - future.query_length  # the position of the request's newest token
+            moves.extend((future.state.request_id, past + node, past + depth) for depth, node in enumerate(path, 1))
+        moves = [move for move in moves if move[1] != move[2]]
+        if moves:
+            _copy_positions(self.cache, moves)
 
     def _emit(self, future: FutureRequestState, result: _Verified) -> GenerationOutput | None:
         """Append a drafting request's verified tokens, move its position back over the rejected ones and register
@@ -722,6 +853,19 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         ios.num_request_in_batch = len(futures)
         if futures:
             super().update_batch()
+
+
+def _copy_positions(cache: PagedAttentionCache, moves: list[tuple[str, int, int]]) -> None:
+    """For each `(request id, source, destination)`, copy the keys and values the request's paged cache holds at
+    position `source` to position `destination`, in every layer (all sources are read before any is written)."""
+    for allocator in cache.cache_allocators.values():
+        source, destination = (
+            torch.tensor([allocator.get_write_indices(r, position, 1)[0] for r, position in ends], dtype=torch.long)
+            for ends in ([(r, s) for r, s, _ in moves], [(r, d) for r, _, d in moves])
+        )
+        for keys, values in allocator._kv_token_views.values():  # each [cache positions, kv heads, head dim]
+            keys.index_copy_(0, destination.to(keys.device), keys.index_select(0, source.to(keys.device)))
+            values.index_copy_(0, destination.to(values.device), values.index_select(0, source.to(values.device)))
 
 
 class SpeculativeManager(ContinuousBatchingManager):
@@ -767,6 +911,17 @@ def _check_attention(model: PreTrainedModel) -> None:
             "Speculation under continuous batching needs full-attention layers: this model has sliding-window layers, "
             "whose ring buffer in the paged cache cannot take back rejected draft tokens. Use `model.generate_batch` "
             "without speculation, or `hf_dynspec.generate` (batched `generate`) for this model."
+        )
+
+
+def _check_tree_attention(model: PreTrainedModel) -> None:
+    """Token trees need an attention that takes a mask (eager or SDPA over the paged cache)."""
+    implementation = str(model.config._attn_implementation)
+    if "flash" in implementation or "flex" in implementation:
+        raise ValueError(
+            f"Token trees under continuous batching need an attention implementation that takes a mask, and "
+            f"{implementation!r} runs causal sequences only: load the model with attn_implementation='sdpa' or "
+            "'eager', or set `tree_node_budget=0` for chains."
         )
 
 
@@ -821,7 +976,9 @@ def init_continuous_batching(
         raise ValueError("Continuous batching does not run beam search: set `num_beams=1`.")
     proposer, max_draft = _request_proposer(model, config, prompt_lookup_num_tokens, assistant_model)
     policy = _policy_for(model, proposer.model, config, None, engine="continuous_batching")
-    speculator = Speculator(model, proposer, policy, max_draft)
+    if config.tree_node_budget:
+        _check_tree_attention(model)
+    speculator = Speculator(model, proposer, policy, max_draft, config.tree_node_budget)
     return SpeculativeManager(
         model,
         generation_config,
@@ -838,8 +995,11 @@ def _request_proposer(
     assistant_model: PreTrainedModel | None,
 ) -> tuple[RequestProposer, int]:
     """The proposer the arguments ask for, and the most draft tokens a request proposes in a step."""
-    if config.tree_node_budget:
-        raise ValueError("Continuous batching verifies chains: set `tree_node_budget=0` in the DynSpecConfig.")
+    if config.tree_node_budget and (assistant_model is not None or config.proposer != "suffix"):
+        raise ValueError(
+            "Under continuous batching token trees come from suffix proposals: use "
+            "DynSpecConfig(proposer='suffix', tree_node_budget=N), or set `tree_node_budget=0` for chains."
+        )
     if assistant_model is not None:
         return _draft_proposer(model, config, prompt_lookup_num_tokens, assistant_model), config.num_speculative_tokens
     if config.proposer == "suffix":

@@ -235,7 +235,7 @@ class SuffixProposer(PromptLookupProposer):
         roots = batch.last_tokens().tolist()  # [batch] each row's newest token, its tree's root
         for row in range(batch.batch_size):
             draft = self._speculate(batch, row, int(budgets[row]), tree=True) if int(depths[row]) > 0 else None
-            row_tokens, row_parents = _cut_tree(draft.token_ids, draft.parents, int(depths[row])) if draft else ([], [])
+            row_tokens, row_parents = cut_tree(draft.token_ids, draft.parents, int(depths[row])) if draft else ([], [])
             tokens.append([roots[row]] + row_tokens)
             parents.append([-1] + [parent + 1 for parent in row_parents])  # node 0 is the root
         tree = TokenTree.from_parent_lists(tokens, parents, batch.pad_id)
@@ -249,7 +249,7 @@ class SuffixProposer(PromptLookupProposer):
         return self.cache.speculate(self._requests[row], context, max_tokens, tree)
 
 
-def _cut_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
+def cut_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
     """The nodes of a draft tree (`parents[i]` the index of node `i`'s parent, -1 under the root) at depth at most
     `max_depth`, parents before children, with parents renumbered."""
     depths = [_depth(parents, i) for i in range(len(tokens))]

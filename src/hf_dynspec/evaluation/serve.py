@@ -8,7 +8,8 @@ plain continuous batching (`cb-plain`, `model.init_continuous_batching`), or a s
 - `cb-draft`, `cb-suffix`, `cb-lookup:N`: the draft model (in its own paged cache), suffix trees or prompt lookup
   (up to N tokens), draft lengths from the goodput policy;
 - `cb-draft-static:K`, `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting
-  up to K tokens.
+  up to K tokens;
+- `cb-suffix[-static]:K:N`: suffix token trees of up to N nodes, K deep.
 
 Per request: latency (arrival to last token), time to first token, time per output token after the first. Per run:
 output tokens per second from the first arrival to the last token. The default rates are shares of the plain
@@ -42,26 +43,29 @@ class ServeMethod:
     name: str
     proposer: str | None = None  # "draft", "suffix" or "lookup"; None: plain
     policy: str = "goodput"
-    tokens: int = 4  # most draft tokens a request proposes in a step
+    tokens: int = 4  # most draft tokens a request proposes in a step (a tree's depth)
+    tree_nodes: int = 0  # suffix token trees of at most this many nodes; 0: chains
 
     @classmethod
     def parse(cls, name: str) -> ServeMethod:
-        """`cb-plain`, or `cb-<proposer>[-static][:K]` with proposer `draft`, `suffix` or `lookup`."""
+        """`cb-plain`, or `cb-<proposer>[-static][:K]` with proposer `draft`, `suffix` or `lookup`, or
+        `cb-suffix[-static]:K:N` (trees of N nodes)."""
         if name == "cb-plain":
             return cls(name)
-        base, _, tokens = name.partition(":")
+        base, *numbers = name.split(":")
         parts = base.split("-")
         if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in ("draft", "suffix", "lookup") or (
             len(parts) == 3 and parts[2] != "static"
-        ):
+        ) or len(numbers) > (2 if parts[1] == "suffix" else 1):
             raise ValueError(
                 f"Unknown serve method {name!r}: use cb-plain, or cb-draft, cb-suffix or cb-lookup, each optionally "
-                "with -static and :K (cb-suffix-static:4)."
+                "with -static and :K (cb-suffix-static:4), or suffix trees of N nodes as cb-suffix:K:N."
             )
-        if tokens and (not tokens.isdigit() or int(tokens) < 1):
-            raise ValueError(f"Serve method {name!r}: the number after ':' must be a positive integer.")
+        if any(not number.isdigit() or int(number) < 1 for number in numbers):
+            raise ValueError(f"Serve method {name!r}: the numbers after ':' must be positive integers.")
         policy = "static" if len(parts) == 3 else "goodput"
-        return cls(name, parts[1], policy, int(tokens) if tokens else 4)
+        values = [int(number) for number in numbers]
+        return cls(name, parts[1], policy, values[0] if values else 4, values[1] if len(values) > 1 else 0)
 
     def manager(self, model: torch.nn.Module, generation_config: Any, cb_config: Any, draft: Any = None):
         """A started manager for this method (`draft`: the draft model of `cb-draft` methods)."""
@@ -76,7 +80,8 @@ class ServeMethod:
 
             clear_suffix_caches(model)  # every run starts from an empty cache: the trace's prompts repeat across runs
             config = DynSpecConfig(num_speculative_tokens=self.tokens, policy=self.policy,
-                                   proposer="suffix" if self.proposer == "suffix" else "auto")
+                                   proposer="suffix" if self.proposer == "suffix" else "auto",
+                                   tree_node_budget=self.tree_nodes)
             lookup = self.tokens if self.proposer == "lookup" else None
             manager = init_continuous_batching(
                 model, draft if self.proposer == "draft" else None, prompt_lookup_num_tokens=lookup,
