@@ -159,3 +159,28 @@ def test_random_token_prompts_are_seeded_and_in_range():
     assert all(3 <= len(p) <= 5 and all(2 <= t < 50 for t in p) for p in first)
     with pytest.raises(PromptSourceError, match="min_length"):
         data.random_token_prompts(2, 50, min_length=6, max_length=5)
+
+
+def test_agent_prompts_keep_follow_ups_that_rework_an_earlier_answers_code(tmp_path):
+    answer = "Here is the function:\n```python\n" + CODE + "```\n" + "It returns the area. " * 10
+    keep = [{"from": "human", "value": "Write an area function."}, {"from": "gpt", "value": answer},
+            {"from": "human", "value": "Now change it so it takes a tuple."}]
+    records = [
+        {"conversations": keep},
+        {"conversations": keep[:2]},  # no follow-up
+        {"conversations": [*keep[:2], {"from": "human", "value": "Thanks, what does it print?"}]},  # no change asked
+        {"conversations": [keep[0], {"from": "gpt", "value": "It multiplies. " * 20}, keep[2]]},  # no code
+        {"conversations": [keep[0], {"from": "gpt", "value": answer * 20}, keep[2]]},  # too long
+    ]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(records))
+    messages = [{"role": "user", "content": keep[0]["value"]}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": keep[2]["value"]}]
+    assert data.agent_prompts(10, path) == [Prompt(messages=messages, task="agent")]
+
+
+def test_packaged_agent_prompts_hold_an_earlier_answer_with_code():
+    prompts = data.load_prompts("agent", 16)
+    assert len(prompts) == 16 and all(p.task == "agent" for p in prompts)
+    assert all([m["role"] for m in p.messages] == ["user", "assistant", "user"] for p in prompts)
+    assert all(data.is_rework_request(*(m["content"] for m in p.messages)) for p in prompts)

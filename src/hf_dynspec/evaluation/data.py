@@ -1,5 +1,5 @@
-"""Benchmark prompts: HumanEval (code), ShareGPT (chat, and its code-edit requests), any JSONL file, and random token
-prompts for tiny models.
+"""Benchmark prompts: HumanEval (code), ShareGPT (chat, its code-edit requests and its follow-ups that rework an earlier
+answer's code), any JSONL file, and random token prompts for tiny models.
 
 Prompts are `Prompt` records (text used as is, or chat messages that get the tokenizer's chat template); `encode`
 turns them into token id lists, dropping prompts longer than a limit so one huge prompt cannot dominate a run.
@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import torch
 
-DATASETS = ("humaneval", "sharegpt", "codeedit", "mixed")
+DATASETS = ("humaneval", "sharegpt", "codeedit", "agent", "mixed")
 """Named prompt sources; anything else must be a path to a `.jsonl` file."""
 
 
@@ -92,7 +92,7 @@ def is_code_edit_request(text: str, min_chars: int = 200, max_chars: int = 2000)
     prose line (not a code line or comment), for it to be changed."""
     if not min_chars <= len(text) <= max_chars:
         return False
-    if "```" not in text and len(CODE_LINE.findall(text)) < 3:
+    if not shows_code(text):
         return False
     prose = [
         line for line in text.splitlines()
@@ -107,6 +107,42 @@ def codeedit_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
     Real users' code edits: answers copy long spans of the prompt, which is where prompt lookup pays.
     """
     return _first_turns(limit, path, "code-edit", is_code_edit_request)
+
+
+def shows_code(text: str) -> bool:
+    """True for text with a code fence or at least three lines that start like code."""
+    return "```" in text or len(CODE_LINE.findall(text)) >= 3
+
+
+def is_rework_request(first: str, answer: str, request: str, max_chars: int = 4000) -> bool:
+    """True for a follow-up `request` that asks for a change to an `answer` showing code (of 200 characters or more),
+    the three turns (`first` the opening request) together at most `max_chars` long."""
+    if not first.strip() or len(answer) < 200 or len(first) + len(answer) + len(request) > max_chars:
+        return False
+    return shows_code(answer) and bool(EDIT_REQUEST.search(request))
+
+
+def agent_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
+    """ShareGPT conversations whose second request asks to change the code of the first answer
+    (`is_rework_request`): the prompt is the first request, that answer and the follow-up, in file order.
+
+    Agent-like steps: the prompt holds an earlier output, and the answer repeats much of it (the reworked code), as an
+    agent's next step repeats its earlier code and tool calls.
+    """
+    prompts: list[Prompt] = []
+    with open(path or sharegpt_path(), encoding="utf-8") as stream:
+        for record in iter_json_array(stream):
+            turns = [turn for turn in (record.get("conversations") or [])[:3] if isinstance(turn, dict)]
+            if [turn.get("from") for turn in turns] != ["human", "gpt", "human"]:
+                continue
+            first, answer, request = (str(turn.get("value", "")) for turn in turns)
+            if is_rework_request(first, answer, request):
+                roles = ("user", "assistant", "user")
+                messages = [{"role": role, "content": text} for role, text in zip(roles, (first, answer, request))]
+                prompts.append(Prompt(messages=messages, task="agent"))
+                if len(prompts) >= limit:
+                    break
+    return prompts
 
 
 def _first_turns(limit: int, path: Path | None, task: str, keep: Callable[[str], bool]) -> list[Prompt]:
@@ -157,8 +193,8 @@ def mixed_prompts(limit: int) -> list[Prompt]:
 
 
 def load_prompts(dataset: str, limit: int, offset: int = 0) -> list[Prompt]:
-    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `mixed`) or a JSONL path, in
-    file order, after skipping the source's first `offset` prompts (a held-out set beside the first ones)."""
+    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `agent`, `mixed`) or a JSONL
+    path, in file order, after skipping the source's first `offset` prompts (a held-out set beside the first ones)."""
     if limit < 1:
         raise PromptSourceError(f"The number of prompts must be at least 1, got {limit}.")
     if offset < 0:
@@ -174,6 +210,8 @@ def _source_prompts(dataset: str, limit: int) -> list[Prompt]:
         return sharegpt_prompts(limit)
     if dataset == "codeedit":
         return codeedit_prompts(limit)
+    if dataset == "agent":
+        return agent_prompts(limit)
     if dataset == "mixed":
         return mixed_prompts(limit)
     if dataset.endswith(".jsonl"):
