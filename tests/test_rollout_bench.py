@@ -70,8 +70,36 @@ def test_suffix_methods_and_their_modifiers():
     assert cold.suffix and not cold.uses_draft and not cold.warm
     assert cold.dynspec_config.prompt_lookup_max_tokens == 6 and cold.dynspec_config.policy == "goodput"
     assert warm.warm and not warm.uses_draft and both.warm and both.uses_draft
-    with pytest.raises(MethodError, match="applies to dynspec-suffix methods only"):
-        parse_method("dynspec-goodput+warm")
+    foreign = parse_method("dynspec-suffix+foreign")
+    assert foreign.foreign and not foreign.warm and not cold.foreign
+    for name in ("dynspec-goodput+warm", "dynspec-goodput+foreign"):
+        with pytest.raises(MethodError, match="applies to dynspec-suffix methods only"):
+            parse_method(name)
+
+
+def test_foreign_runs_start_from_a_cache_of_another_tasks_text():
+    from hf_dynspec.candidates.suffix import _CACHES
+    from hf_dynspec.evaluation.runner import Runner
+    from hf_dynspec.evaluation.tiny import tiny_pair
+
+    target, draft = tiny_pair()
+    prompts = [[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2
+    foreign = [[3, 4, 5, 6, 7] * 4, [12, 13, 14] * 5, [20, 21] * 8]
+    without = Runner(target, draft, max_new_tokens=8, seed=0)
+    with pytest.raises(ValueError, match="another task's text"):
+        without.run(parse_method("dynspec-suffix+foreign"), prompts, batch_size=4, progress=False)
+    without.close()
+    runner = Runner(target, draft, max_new_tokens=8, seed=0, foreign_text=foreign)
+    try:
+        for name, outputs in (("dynspec-suffix+foreign", 3 + 4), ("dynspec-suffix+foreign", 3 + 4),
+                              ("dynspec-suffix", 4)):
+            plain = runner.run(parse_method("plain"), prompts, batch_size=4, progress=False)
+            outcome = runner.run(parse_method(name), prompts, batch_size=4, progress=False)
+            (cache,) = _CACHES[target].values()
+            assert cache.num_outputs == outputs, name  # the other task's texts, then this run's outputs
+            assert outcome.tokens == plain.tokens
+    finally:
+        runner.close()
 
 
 def test_suffix_runs_start_from_an_empty_cache_and_warm_ones_after_an_untimed_pass():
@@ -90,3 +118,15 @@ def test_suffix_runs_start_from_an_empty_cache_and_warm_ones_after_an_untimed_pa
             assert outcome.target_forwards <= 8  # the untimed pass's forwards are not counted
     finally:
         runner.close()
+
+
+def test_a_tiny_bench_runs_foreign_suffix_methods_identical_to_plain():
+    from hf_dynspec.evaluation import bench
+
+    settings = bench.BenchSettings(tiny=True, num_prompts=4, batch_sizes=[4], max_new_tokens=10,
+                                   methods="plain,dynspec-suffix,dynspec-suffix+foreign", repetitions=1,
+                                   warmup_tokens=0)
+    assert len(bench.foreign_texts(settings)) == bench.FOREIGN_TEXTS
+    results = bench.run_benchmark(settings, progress=False)
+    runs = {run["method"]: run for run in results["runs"]}
+    assert runs["dynspec-suffix+foreign"]["matches_plain"] and runs["dynspec-suffix"]["matches_plain"]

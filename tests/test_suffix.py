@@ -13,7 +13,13 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.candidates.suffix import SuffixCache, SuffixProposer, SuffixSettings, suffix_cache_for
+from hf_dynspec.candidates.suffix import (
+    SuffixCache,
+    SuffixProposer,
+    SuffixSettings,
+    clear_suffix_caches,
+    suffix_cache_for,
+)
 from hf_dynspec.sequences import TokenBatch
 
 
@@ -129,6 +135,46 @@ def test_suffix_samples_follow_target_distribution(small_vocab_pair, tree):  # n
     for window, law in laws.items():
         assert_converges(lambda n, window=window: windows(draw(n))[window], law, sizes=(200, 2_000, 20_000))
     assert min(drafted) > 0
+
+
+def linear_profile() -> dict:
+    """A calibration profile whose verify forward costs 50 ms plus 10 ms per token: priced steps, no timing."""
+    timings = [{"batch_size": b, "tokens_per_row": t, "seconds": 0.05 + 0.01 * b * t, "samples": 1}
+               for b in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8)]
+    return {"format": "hf_dynspec.profile", "version": 1, "target_forward": timings, "draft_forward": []}
+
+
+def priced_seconds(stats) -> float:
+    """The steps of a call at `linear_profile`'s prices."""
+    return sum(0.05 + 0.01 * step.target_tokens for step in stats.steps)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_cache_full_of_another_tasks_text_costs_at_most_a_few_percent(seed):
+    """A cache holding 16 sampled outputs of other prompts proposes continuations for this task's rows that the
+    target rejects: drafting every one costs over 5% more than the same call with an empty cache, at a verify curve's
+    prices. The goodput policy, pricing them by that curve and learning their acceptance, stays within 3% of the loop
+    without speculation."""
+    target = tiny_model("llama", seed=0)
+    ids, mask = grouped_prompts([9, 13, 7, 11], group=1, seed=seed)
+    other, other_mask = left_padded_prompts([12] * 16, seed=100 + seed)
+    plain = DynSpecConfig(num_speculative_tokens=0, proposer="suffix", collect_step_stats=True)
+    reference = suffix_generate(target, ids, mask, plain, max_new_tokens=60, do_sample=False)
+    costs = {}
+    for policy, options in (("static", {}), ("goodput", {"cost_model": "profile", "profile": linear_profile()})):
+        config = DynSpecConfig(num_speculative_tokens=4, proposer="suffix", policy=policy, policy_options=options,
+                               collect_step_stats=True)
+        for cache in ("empty", "foreign"):
+            clear_suffix_caches(target)
+            if cache == "foreign":
+                torch.manual_seed(seed)
+                suffix_generate(target, other, other_mask, config, max_new_tokens=100, do_sample=True)
+                assert suffix_cache_for(target, SuffixSettings.from_config(config)).num_outputs == 16
+            out = suffix_generate(target, ids, mask, config, max_new_tokens=60, do_sample=False)
+            assert torch.equal(out.sequences, reference.sequences)
+            costs[policy, cache] = priced_seconds(out.dynspec_stats)
+    assert costs["static", "foreign"] > 1.05 * costs["static", "empty"], costs  # the other task's text proposes
+    assert costs["goodput", "foreign"] <= 1.03 * priced_seconds(reference.dynspec_stats), costs
 
 
 def test_suffix_settings_are_validated():

@@ -1007,12 +1007,8 @@ def _request_proposer(
             raise ValueError(
                 "DynSpecConfig(proposer='suffix') drafts from suffix trees: drop `prompt_lookup_num_tokens`."
             )
-        c = config
-        settings = SuffixSettings(
-            c.suffix_max_depth, c.suffix_cache_outputs, c.suffix_cache_tokens, c.suffix_min_token_probability,
-            c.suffix_spec_factor,
-        )
-        return SuffixRequests(suffix_cache_for(model, settings)), config.num_speculative_tokens
+        cache = suffix_cache_for(model, SuffixSettings.from_config(config))
+        return SuffixRequests(cache), config.num_speculative_tokens
     if config.proposer != "auto":
         raise ValueError(
             f"DynSpecConfig(proposer={config.proposer!r}) needs a draft model: pass `assistant_model`, or use "

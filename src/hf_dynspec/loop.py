@@ -197,12 +197,7 @@ class _Run:
         return model
 
     def _suffix_cache(self) -> SuffixCache:
-        c = self.config
-        settings = SuffixSettings(
-            c.suffix_max_depth, c.suffix_cache_outputs, c.suffix_cache_tokens, c.suffix_min_token_probability,
-            c.suffix_spec_factor,
-        )
-        return suffix_cache_for(self.model, settings)
+        return suffix_cache_for(self.model, SuffixSettings.from_config(self.config))
 
     def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
         kind = LookupTreeProposer if self.config.tree_node_budget else PromptLookupProposer

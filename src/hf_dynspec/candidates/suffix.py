@@ -20,6 +20,7 @@ import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
 from .prompt_lookup import PromptLookupProposer
 from .tree import TokenTree
+
+if TYPE_CHECKING:
+    from ..config import DynSpecConfig
 
 INSTALL_HINT = (
     "The suffix proposer needs arctic-inference's suffix trees: `pip install 'hf_dynspec[suffix]'` (it builds from "
@@ -44,6 +48,14 @@ class SuffixSettings:
     max_tokens: int = 262144  # tokens of those outputs, oldest out first
     min_token_probability: float = 0.1  # a proposed token's estimated probability given its path, at least
     max_spec_factor: float = 1.0  # a proposal has at most this many tokens per matched token
+
+    @classmethod
+    def from_config(cls, config: DynSpecConfig) -> SuffixSettings:
+        """The settings a `DynSpecConfig`'s `suffix_*` fields give."""
+        return cls(
+            config.suffix_max_depth, config.suffix_cache_outputs, config.suffix_cache_tokens,
+            config.suffix_min_token_probability, config.suffix_spec_factor,
+        )
 
 
 def _arctic():

@@ -342,8 +342,9 @@ def run_benchmark(
     variants = sorted({m.draft_variant for m in methods if m.draft_variant} - set(variant_drafts or {}))
     variant_drafts = {**(variant_drafts or {}), **load_variant_drafts(settings, variants, draft)}
     tokenizer = target_tokenizer(settings) if any(m.through_text for m in methods) and not settings.tiny else None
+    foreign = foreign_texts(settings) if any(m.foreign for m in methods) else []
     runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts, tokenizer,
-                    sampling=settings.sampling, timeline=settings.records_timeline)
+                    sampling=settings.sampling, timeline=settings.records_timeline, foreign_text=foreign)
     budgets = (
         long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
         if settings.output_lengths == "long-tail"
@@ -562,6 +563,25 @@ def prompt_ids(settings: BenchSettings, tokenizer: Any, count: int) -> list[list
             f"{settings.max_prompt_tokens} tokens; lower --num-prompts or --prompt-offset, or raise --max-prompt-tokens."
         )
     return prompts
+
+
+FOREIGN_TEXTS = 256
+"""Texts of another task that fill the suffix cache of `+foreign` methods (the cache's default output bound)."""
+
+
+def foreign_texts(settings: BenchSettings) -> list[list[int]]:
+    """Token ids of another task's texts for `+foreign` methods: ShareGPT chat when the bench's dataset is code,
+    HumanEval code otherwise (prompt texts, without a chat template); random tokens for tiny models."""
+    from .data import load_prompts, random_token_prompts
+
+    if settings.tiny:
+        from .tiny import TINY_VOCAB
+
+        return random_token_prompts(FOREIGN_TEXTS, TINY_VOCAB, 16, 128, seed=settings.seed + 1)
+    other = "sharegpt" if settings.dataset in ("humaneval", "codeedit", "agent") else "humaneval"
+    tokenizer = target_tokenizer(settings)
+    texts = [p.text or "\n".join(m["content"] for m in p.messages) for p in load_prompts(other, FOREIGN_TEXTS)]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def load_variant_drafts(

@@ -26,8 +26,10 @@ Any method that uses the draft model may end in `/<variant>` to run with a varia
 4-bit and a float32 draft in one run, on the same prompts.
 
 A `dynspec-suffix` method may end in `+draft` (per row and step, the suffix proposal or the draft model, as the policy
-decides) and in `+warm` (before each timed run, the same prompts run once untimed with another seed, as an RL epoch
-before: the timed run proposes from those outputs too). Without `+warm` every run starts from an empty suffix cache.
+decides), in `+warm` (before each timed run, the same prompts run once untimed with another seed, as an RL epoch
+before: the timed run proposes from those outputs too) and in `+foreign` (before each timed run, another task's text
+fills the suffix cache as earlier outputs: what a cache full of unrelated text costs). Otherwise every run starts from
+an empty suffix cache.
 
 A `plain` or `hf-*` method may end in `+narrow`, `+rowmajor` or both (`hf-assisted+narrow+rowmajor`) to run with the
 kernels the speculative loop uses (`kernels.NarrowLinear`, `kernels.row_major_output`), so that a baseline is not
@@ -63,7 +65,10 @@ DRAFT = "draft"
 """The `+draft` modifier of `dynspec-suffix`: the suffix proposal or the draft model, per row and step."""
 WARM = "warm"
 """The `+warm` modifier of `dynspec-suffix`: each timed run follows an untimed one over the same prompts."""
-MODIFIERS = (NARROW, ROW_MAJOR, TEXT, DRAFT, WARM)
+FOREIGN = "foreign"
+"""The `+foreign` modifier of `dynspec-suffix`: each timed run starts from a suffix cache holding another task's text."""
+SUFFIX_MODIFIERS = (DRAFT, WARM, FOREIGN)
+MODIFIERS = (NARROW, ROW_MAJOR, TEXT, *SUFFIX_MODIFIERS)
 """What may follow a method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels the speculative
 loop runs with, so that a baseline can have them too (`plain` and `hf-*` only), and drafting through text."""
 NO_SPECULATION = "dynspec-nospec"
@@ -96,6 +101,8 @@ class Method:
     suffix), so the draft reads and writes text as a draft with another tokenizer does."""
     warm: bool = False
     """`dynspec-suffix` methods: each timed run follows an untimed run over the same prompts (the `+warm` suffix)."""
+    foreign: bool = False
+    """`dynspec-suffix` methods: each timed run starts from a cache of another task's text (the `+foreign` suffix)."""
 
     @property
     def suffix(self) -> bool:
@@ -141,18 +148,18 @@ def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = N
 def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
     """`method` run with the loop's kernels: inside `kernels.NarrowLinear` (`+narrow`), with its output layers fed
     row-major inputs (`+rowmajor`, `kernels.row_major_output`); drafting through text (`+text`, `dynspec-*`); or
-    suffix speculation with the draft model (`+draft`) or after an untimed run (`+warm`)."""
+    suffix speculation with the draft model (`+draft`), after an untimed run (`+warm`) or over another task's text
+    (`+foreign`)."""
     unknown = [m for m in modifiers if m not in MODIFIERS]
     if unknown:
         raise MethodError(f"In method {name!r} the modifiers after '+' may only be {list(MODIFIERS)}; got {unknown}.")
-    suffix_modifiers = [m for m in modifiers if m in (DRAFT, WARM)]
+    suffix_modifiers = [m for m in modifiers if m in SUFFIX_MODIFIERS]
     if suffix_modifiers and not method.suffix:
         raise MethodError(f"Method {name!r}: '+{'+'.join(suffix_modifiers)}' applies to dynspec-suffix methods only.")
-    if DRAFT in modifiers:
-        method = dataclasses.replace(method, uses_draft=True)
-    if WARM in modifiers:
-        method = dataclasses.replace(method, warm=True)
-    modifiers = [m for m in modifiers if m not in (DRAFT, WARM)]
+    method = dataclasses.replace(
+        method, uses_draft=method.uses_draft or DRAFT in modifiers, warm=WARM in modifiers, foreign=FOREIGN in modifiers
+    )
+    modifiers = [m for m in modifiers if m not in SUFFIX_MODIFIERS]
     kernels = [m for m in modifiers if m != TEXT]
     if method.kind == "dynspec" and kernels:
         raise MethodError(
@@ -219,7 +226,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], {NO_SPECULATION}, "
         "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N], "
-        "dynspec-suffix[:N][+draft][+warm] or "
+        "dynspec-suffix[:N][+draft][+warm][+foreign] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."
     )

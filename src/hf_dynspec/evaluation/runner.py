@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from ..candidates.draft_model import draft_lookahead_tokens
-from ..candidates.suffix import clear_suffix_caches
+from ..candidates.suffix import SuffixSettings, clear_suffix_caches, suffix_cache_for
 from ..kernels import linear_plan, narrow_linear, row_major_output
 from .equivalence import MarginRecorder, RowMargins
 from .methods import Method
@@ -178,6 +178,7 @@ class Runner:
         tokenizer: Any = None,
         sampling: dict[str, float] | None = None,
         timeline: bool = False,
+        foreign_text: Sequence[Sequence[int]] = (),
     ) -> None:
         """
         Args:
@@ -186,7 +187,9 @@ class Runner:
             sampling: `temperature`, `top_p`, `top_k` for every sampled call (instead of the target's generation
                 config's).
             timeline: record when each target forward starts and how many rows are active (`Outcome.timelines`).
+            foreign_text: token ids of another task's texts, the suffix cache of `+foreign` methods' runs.
         """
+        self.foreign_text = [list(text) for text in foreign_text]
         self.sampling = dict(sampling or {}) if do_sample else {}
         self._timeline = ActiveRowsTimeline(target) if timeline else None
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -239,9 +242,18 @@ class Runner:
     def _start_suffix_cache(
         self, method: Method, prompts: Sequence[Sequence[int]], chunks: list[range], budgets, max_new_tokens
     ) -> None:
-        """Empty the target's suffix caches, so no run proposes from another's outputs; with `+warm`, then run the
-        same prompts once untimed with another seed (an RL epoch before)."""
+        """Empty the target's suffix caches, so no run proposes from another's outputs; with `+foreign`, then write
+        another task's texts in as earlier outputs; with `+warm`, run the same prompts once untimed with another seed
+        (an RL epoch before)."""
         clear_suffix_caches(self.target)
+        if method.foreign:
+            if not self.foreign_text:
+                raise ValueError(f"Method {method.name!r} needs another task's text: pass `foreign_text` to Runner.")
+            cache = suffix_cache_for(self.target, SuffixSettings.from_config(method.dynspec_config))
+            for text in self.foreign_text:
+                request = cache.start([])
+                cache.extend(request, text)
+                cache.stop(request)
         if not method.warm:
             return
         scratch = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
