@@ -16,7 +16,15 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.candidates.suffix import clear_suffix_caches
-from hf_dynspec.continuous import DraftModelRequests, DraftRequest, ModelFreeRequests, SpeculativeManager, Speculator
+from hf_dynspec.continuous import (
+    DraftModelRequests,
+    DraftRequest,
+    LookupRequests,
+    ModelFreeRequests,
+    SpeculativeManager,
+    Speculator,
+    SuffixRequests,
+)
 from hf_dynspec.policies.static import StaticPolicy
 
 
@@ -169,8 +177,8 @@ class SecondBranchTrees(ModelFreeRequests):
                 return output[len(tokens) - len(prompt) :]
         raise AssertionError("unknown request")
 
-    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
-        return self._continuation(tokens)[:max_tokens], 1
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
+        return self._continuation(tokens)[:max_tokens], 1, None
 
     def trees(self, requests: list[DraftRequest], depths: list[int], budgets: list[int]):
         trees = []
@@ -416,3 +424,22 @@ def test_a_bound_draft_speculates_in_the_models_own_generate_batch():
     finally:
         hf_dynspec.disable(model)
     assert [o.generated_tokens for o in got.values()] == [o.generated_tokens for o in expected.values()]
+
+
+def test_suffix_hints_say_how_sure_each_offer_is():
+    """The policy sees each request's suffix offer, its match length and how sure it is, as in `generate`."""
+    from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings
+
+    cache = SuffixCache(SuffixSettings(min_token_probability=0.0, max_spec_factor=4.0))
+    for ending in ([14, 16], [14, 16], [15, 18]):
+        request = cache.start([])
+        cache.extend(request, [11, 12, 13, *ending])
+        cache.stop(request)
+    proposer = SuffixRequests(cache)
+    proposer.start("a", [20, 11, 12, 13])
+    hints = proposer.hints([DraftRequest("a", [20, 11, 12, 13], 2)])
+    assert hints["free_lengths"].tolist() == [2] and hints["free_anchors"].tolist() == [3]
+    assert hints["free_confidence"].tolist() == pytest.approx([(2 / 3) ** 0.5])
+    assert proposer.drafts([DraftRequest("a", [20, 11, 12, 13], 2)], [1]) == [[14]]
+    proposer.finish("a", None)
+    assert "free_confidence" not in LookupRequests(3, 1).hints([DraftRequest("b", [5, 6, 5], 2)])

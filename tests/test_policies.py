@@ -15,6 +15,7 @@ import torch
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.estimators import (
     AcceptanceEstimator,
+    ConfidenceScale,
     DraftTiming,
     PaddedCostModel,
     PiecewiseLinear,
@@ -743,6 +744,39 @@ def lookup_request(anchor: int, offered: int = 10) -> PolicyInput:
     """One row that prompt lookup offers `offered` tokens, its final `anchor` tokens shared with their source."""
     return PolicyInput(step=0, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([100]), max_draft_tokens=4,
                        free_lengths=torch.tensor([offered]), free_anchors=torch.tensor([anchor]))
+
+
+def sure_request(confidence: float | None) -> PolicyInput:
+    """One row offered 10 suffix tokens after a short match, the proposal `confidence` sure (None: it does not say)."""
+    request = lookup_request(1)
+    request.free_confidence = None if confidence is None else torch.tensor([confidence], dtype=torch.float64)
+    return request
+
+
+def test_less_sure_suffix_proposals_are_priced_as_less_likely_accepted() -> None:
+    """Sure proposals (every earlier occurrence continued that way) are all accepted, unsure ones (a third of them)
+    none: the class's acceptance, scaled by each proposal's confidence over the mean it learned from, sends long
+    drafts for sure proposals and none or short ones for unsure ones; a proposal that does not say is priced as its
+    class."""
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None), cost_model=in_memory_cost())
+    policy.reset(1)
+    for step in range(12):
+        sure = step % 2 == 0
+        policy.draft_lengths(sure_request(1.0 if sure else 0.3))
+        policy.observe(StepFeedback(torch.tensor([0]), torch.tensor([10]), torch.tensor([10]),
+                                    torch.tensor([10 if sure else 0]), 0.0, 0.6, 11, free_rows=torch.tensor([True])))
+    assert 0.9 < policy.lookup_confidence.mean < 1.0  # weighted by tokens verified: 60 sure ones, 6 unsure
+    served = {confidence: int(policy.draft_lengths(sure_request(confidence))[0]) for confidence in (1.0, 0.3, None)}
+    assert served[1.0] >= 8 and served[0.3] <= 2 < served[None], served
+
+
+def test_a_confidence_scale_follows_the_tokens_it_learned_from() -> None:
+    scale = ConfidenceScale(prior_weight=2.0, decay=1.0)
+    assert scale.scale(torch.tensor([0.8]), torch.tensor([1.0])).tolist() == pytest.approx([0.8])  # the prior
+    scale.update(torch.tensor([0.5, 1.0]), torch.tensor([6, 0]))  # a row that drafted nothing teaches nothing
+    assert scale.mean == pytest.approx((2.0 + 3.0) / 8.0)
+    assert scale.scale(torch.tensor([0.6, 0.6]), torch.tensor([0.625, 1.0])).tolist() == pytest.approx([0.6, 0.96])
+    assert scale.scale(torch.tensor([0.9]), torch.tensor([1.0])).tolist() == [1.0]  # at most 1
 
 
 def alternate_copies_and_misses(policy: GoodputPolicy, steps: int = 12) -> None:

@@ -98,8 +98,8 @@ def ask_all(port: int, model: str) -> dict[str, list[str]]:
 
 def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers):
     port = free_port()
-    config = DynSpecConfig(proposer="suffix", policy="static", suffix_min_token_probability=0.0)
-    speculating = serve(model_dir, dynspec_config=config, port=port, **SERVER)
+    config = DynSpecConfig(proposer="suffix", policy="static", suffix_min_token_probability=0.0, tree_node_budget=6)
+    speculating = serve(model_dir, dynspec_config=config, port=port, **SERVER)  # suffix token trees
     try:
         wait_until_listening(port)
         first = ask_all(port, model_dir)

@@ -17,6 +17,7 @@ from hf_dynspec.candidates.suffix import (
     SuffixCache,
     SuffixProposer,
     SuffixSettings,
+    chain_confidence,
     clear_suffix_caches,
     suffix_cache_for,
 )
@@ -221,3 +222,22 @@ def test_anchors_need_the_steps_offer_first():
                        num_generated=torch.zeros(1, dtype=torch.long), pad_id=0, max_new_tokens=8)
     with pytest.raises(RuntimeError, match="call that first"):
         proposer.free_anchors(batch)
+
+
+def test_a_proposal_says_how_sure_it_is_from_what_followed_its_match_before():
+    """Earlier outputs continued `11 12 13` with 14 three times and with 15 once: a row ending in `11 12 13` is
+    proposed 14 (then what followed it) three quarters sure; a continuation seen one way only is sure."""
+    cache = SuffixCache(SuffixSettings(min_token_probability=0.0, max_spec_factor=4.0))
+    for ending in ([14, 16, 17], [14, 16, 17], [14, 16, 17], [15, 18, 19]):
+        request = cache.start([])
+        cache.extend(request, [11, 12, 13, *ending])
+        cache.stop(request)
+    proposer = SuffixProposer(cache)
+    ids = torch.tensor([[20, 11, 12, 13], [20, 21, 16, 17]])
+    batch = TokenBatch(tokens=ids, prompt_width=4, num_prompt=torch.tensor([4, 4]),
+                       num_generated=torch.zeros(2, dtype=torch.long), pad_id=0, max_new_tokens=8)
+    proposer.start(batch)
+    assert proposer.free_lengths(batch, 3).tolist() == [3, 0]
+    assert proposer.free_confidence(batch).tolist() == pytest.approx([0.75 ** (1 / 3), 1.0])
+    assert chain_confidence([1.0, 0.5, 0.25]) == pytest.approx(0.25 ** (1 / 3)) and chain_confidence([]) == 1.0
+    proposer.release()

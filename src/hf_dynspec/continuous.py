@@ -54,7 +54,7 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 
 from .candidates.draft_model import MAX_INLINE_TAIL
 from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
-from .candidates.suffix import SuffixCache, SuffixSettings, cut_tree, suffix_cache_for
+from .candidates.suffix import SuffixCache, SuffixSettings, chain_confidence, cut_tree, suffix_cache_for
 from .candidates.tree import TokenTree
 from .config import DynSpecConfig
 from .loop import _parameter_ratio, _policy_for
@@ -117,17 +117,21 @@ class ModelFreeRequests(RequestProposer):
         self._offers: list[list[int]] = []
 
     @abstractmethod
-    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """Up to `max_tokens` draft tokens continuing `tokens` (the request's prompt and output so far), and their
-        anchor: how many of the request's last tokens the continuation's source shares (0 without one)."""
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, float | None]:
+        """Up to `max_tokens` draft tokens continuing `tokens` (the request's prompt and output so far), their anchor
+        (how many of the request's last tokens the continuation's source shares; 0 without one) and how sure the
+        proposer is of them (`BatchedProposer.free_confidence`; None when it does not say)."""
 
-    def hints(self, requests: list[DraftRequest]) -> dict[str, torch.LongTensor]:
+    def hints(self, requests: list[DraftRequest]) -> dict[str, torch.Tensor]:
         offers = [self.offer(r.request_id, r.tokens, r.cap) for r in requests]
-        self._offers = [found for found, _ in offers]
-        return {
-            "free_lengths": torch.tensor([len(found) for found, _ in offers], dtype=torch.long),
-            "free_anchors": torch.tensor([anchor for _, anchor in offers], dtype=torch.long),
+        self._offers = [found for found, _, _ in offers]
+        hints = {
+            "free_lengths": torch.tensor([len(found) for found, _, _ in offers], dtype=torch.long),
+            "free_anchors": torch.tensor([anchor for _, anchor, _ in offers], dtype=torch.long),
         }
+        if offers and offers[0][2] is not None:
+            hints["free_confidence"] = torch.tensor([sure for _, _, sure in offers], dtype=torch.float64)
+        return hints
 
     def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
         return [found[:length] for found, length in zip(self._offers, lengths)]
@@ -140,9 +144,9 @@ class LookupRequests(ModelFreeRequests):
         super().__init__()
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
         found, anchor = lookup_match(torch.tensor(tokens), self.max_ngram, self.min_ngram, max_tokens, MAX_ANCHOR)
-        return found.tolist(), anchor
+        return found.tolist(), anchor, None
 
 
 class SuffixRequests(ModelFreeRequests):
@@ -159,10 +163,12 @@ class SuffixRequests(ModelFreeRequests):
         self._requests[request_id] = self.cache.start(prompt)
         self._written[request_id] = len(prompt)
 
-    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, float]:
         self._write(request_id, tokens)
         draft = self.cache.speculate(self._requests[request_id], tokens, max_tokens, tree=False)
-        return (list(draft.token_ids), int(draft.match_len)) if draft is not None else ([], 0)
+        if draft is None:
+            return [], 0, 1.0
+        return list(draft.token_ids), int(draft.match_len), chain_confidence(draft.probs)
 
     def trees(
         self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
@@ -409,10 +415,7 @@ class _Row:
         """Draft tokens on the longest path: the draft's length for a chain."""
         if self.parents is None:
             return len(self.draft)
-        depths = [0]
-        for parent in self.parents:
-            depths.append(depths[parent] + 1)
-        return max(depths)
+        return int(_ancestry([-1] + self.parents)[1].max())
 
 
 class Speculator:

@@ -144,6 +144,38 @@ class AcceptanceEstimator:
         return rows
 
 
+class ConfidenceScale:
+    """How sure, on average, the proposals were whose verification an `AcceptanceEstimator` learned from.
+
+    A model-free proposal that says how sure it is (suffix trees: the share of earlier occurrences of the matched text
+    that continued that way, `BatchedProposer.free_confidence`) is accepted about in proportion to it: among the
+    default target's greedy outputs on `agent` prompts, a suffix token whose context always continued that way was
+    accepted 70% of the time after a short match, one whose context continued that way less than half the time 14%.
+    So a proposal's acceptance is its class's learned acceptance times its confidence over this mean: proposals as sure
+    as those the class learned from keep the class's estimate, less sure ones get less. Counts age by `decay` per
+    update, as the estimator's do.
+    """
+
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.weight = prior_weight  # verified tokens behind `mean`, aged; the prior counts as this many sure ones
+        self.mean = 1.0
+
+    def update(self, confidence: torch.Tensor, tried: torch.Tensor) -> None:
+        """Learn from one step: proposals of `confidence` (`[n]`) had `tried` (`[n]`) of their tokens verified."""
+        self.weight *= self.decay
+        tried = tried.double().cpu()
+        total = float(tried.sum())
+        if total > 0:
+            weighted = float((tried * confidence.double().cpu()).sum())
+            self.mean = (self.weight * self.mean + weighted) / (self.weight + total)
+            self.weight += total
+
+    def scale(self, acceptance: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        """`[batch]` acceptance of proposals of `confidence`, from their class's `acceptance` (both `[batch]`)."""
+        return (acceptance * confidence.to(acceptance.dtype) / max(self.mean, 1e-6)).clamp(0.0, 1.0)
+
+
 def expected_tokens(acceptance: torch.Tensor, lengths: torch.LongTensor) -> torch.Tensor:
     """`[batch]` expected emitted tokens of a step: `sum_{j=0..k} a^j = (1 - a^(k+1)) / (1 - a)` (exact at `a = 1`).
 

@@ -393,9 +393,10 @@ class _Run:
         of a hybrid at `prompt_lookup_max_tokens` (they cost no draft forward)."""
         backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_free)
         anchors = self.proposer.free_anchors(batch) if free_lengths is not None else None
+        confidence = self.proposer.free_confidence(batch) if free_lengths is not None else None
         request = PolicyInput(
             step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget,
-            free_anchors=anchors,
+            free_anchors=anchors, free_confidence=confidence,
         )
         lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):

@@ -113,6 +113,12 @@ class BatchedProposer(ABC):
         model-free proposal (`prompt_lookup.lookup_match`; long while a row copies a span). `None` without one."""
         return None
 
+    def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
+        """`[batch]` after `free_lengths`: how sure the model-free proposal is of each row's continuation, the
+        geometric mean over its tokens of the share of earlier occurrences that continued that way (suffix trees;
+        1 without a continuation). `None` when the proposal does not say (prompt lookup)."""
+        return None
+
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         """After verification; `batch` is already updated.
 

@@ -47,6 +47,9 @@ class HybridProposer(BatchedProposer):
         self._found, self._anchors = self.lookup.matches(batch, full, MAX_ANCHOR)
         return torch.tensor([f.shape[0] for f in self._found], dtype=torch.long, device=batch.tokens.device)
 
+    def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
+        return self.lookup.match_confidence()
+
     def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
         """`[batch]` anchors of this step's lookup continuations (`lookup_match`), after `free_lengths`."""
         if self._anchors.shape[0] != batch.batch_size:

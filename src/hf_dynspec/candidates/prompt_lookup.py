@@ -98,6 +98,10 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
         anchors = torch.tensor([anchor for _, anchor in found], dtype=torch.long, device=batch.tokens.device)
         return [continuation for continuation, _ in found], anchors
 
+    def match_confidence(self) -> torch.Tensor | None:
+        """`[batch]` confidence of the last `matches` (`BatchedProposer.free_confidence`); prompt lookup has none."""
+        return None
+
     @staticmethod
     def proposal(batch: TokenBatch, found: list[torch.LongTensor]) -> Proposal:
         """A placeholder-padded `Proposal` of per-row continuations."""

@@ -168,6 +168,7 @@ class SuffixProposer(PromptLookupProposer):
         self._requests: list[int] = []  # the cache's request id of each active row
         self._written: list[int] = []  # tokens of each active row the cache has
         self._offer: tuple[list[torch.LongTensor], torch.LongTensor] | None = None  # this step's `free_lengths`
+        self._confidence: torch.Tensor | None = None  # [batch] of the last `matches`
 
     # ---- the call's requests -----------------------------------------------------------------------------------------
     def start(self, batch: TokenBatch) -> None:
@@ -210,18 +211,26 @@ class SuffixProposer(PromptLookupProposer):
             raise RuntimeError("`free_anchors` describes the continuations of `free_lengths`: call that first.")
         return self._offer[1]
 
+    def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
+        return self.match_confidence()
+
+    def match_confidence(self) -> torch.Tensor | None:
+        return self._confidence
+
     def matches(
         self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
     ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
         """Each row's suffix-tree chain (`[found]`, up to `lengths[b]` tokens) and its `[batch]` match lengths."""
         self._write(batch, range(batch.batch_size))
         lengths = lengths.clamp(max=self.num_output_tokens)
-        found, anchors = [], []
+        found, anchors, confidence = [], [], []
         for row in range(batch.batch_size):
             draft = self._speculate(batch, row, int(lengths[row]), tree=False)
             found.append(torch.tensor(draft.token_ids if draft else [], dtype=torch.long, device=batch.tokens.device))
             anchor = draft.match_len if draft else 0
             anchors.append(min(anchor, max_anchor) if max_anchor else anchor)
+            confidence.append(chain_confidence(draft.probs) if draft else 1.0)
+        self._confidence = torch.tensor(confidence, dtype=torch.float64)
         return found, torch.tensor(anchors, dtype=torch.long, device=batch.tokens.device)
 
     def propose(
@@ -259,6 +268,13 @@ class SuffixProposer(PromptLookupProposer):
             return None
         context = batch.real_tokens(row)[-self.cache.settings.max_depth :].tolist()
         return self.cache.speculate(self._requests[row], context, max_tokens, tree)
+
+
+def chain_confidence(probs: Sequence[float]) -> float:
+    """How sure a suffix chain is, from arctic-inference's `probs` (each token's estimated probability given the
+    match, a product along the chain of the shares of earlier occurrences that continued that way): the geometric
+    mean of those shares, 1 for an empty chain."""
+    return float(probs[-1]) ** (1.0 / len(probs)) if len(probs) else 1.0
 
 
 def cut_tree(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:

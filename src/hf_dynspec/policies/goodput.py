@@ -28,6 +28,7 @@ from ..budget import CatchupCost, LossBudget
 from ..candidates.draft_model import MAX_INLINE_TAIL
 from ..estimators import (
     AcceptanceEstimator,
+    ConfidenceScale,
     OnlineCostModel,
     PaddedCostModel,
     Profile,
@@ -336,6 +337,9 @@ class GoodputPolicy(DraftLengthPolicy):
         self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.copy_acceptance = AcceptanceEstimator(s.copy_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self._copying = torch.zeros(0, dtype=torch.bool)  # [batch] the step's rows whose lookup continues a copy
+        self.lookup_confidence = ConfidenceScale(s.prior_weight, s.acceptance_decay)
+        self.copy_confidence = ConfidenceScale(s.prior_weight, s.acceptance_decay)
+        self._confidence: torch.Tensor | None = None  # [batch] how sure the step's free proposals are, if they say
         self.stopper = _build_stopper(s.early_stop)
         self.marginal = s.early_stop == MARGINAL_STOP
         # The marginal stop's state of the current step, indexed by original row id (`PolicyInput.row_ids`):
@@ -401,6 +405,7 @@ class GoodputPolicy(DraftLengthPolicy):
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
         self.last_exploration, self.last_blocked, self._free, self._probing = None, False, None, False
         self._copying = self._copies(request)
+        self._confidence = request.free_confidence.cpu().double() if request.free_confidence is not None else None
         if batch == 0 or max_k == 0:
             return torch.zeros(batch, dtype=torch.long)
         catchup = self._catchup_seconds(request)
@@ -495,6 +500,10 @@ class GoodputPolicy(DraftLengthPolicy):
             self.copy_acceptance.update(rows[copies], proposed[copies], accepted[copies])
             lookups = free & ~copies
             self.lookup_acceptance.update(rows[lookups], proposed[lookups], accepted[lookups])
+            if self._confidence is not None and self._confidence.shape == free.shape:
+                tried = torch.where(proposed > 0, accepted + (accepted < proposed).long(), 0)  # [batch] tokens verified
+                self.copy_confidence.update(self._confidence[copies], tried[copies])
+                self.lookup_confidence.update(self._confidence[lookups], tried[lookups])
         self.cost_model.observe(feedback)
         self.catchup.observe(feedback.catchup_seconds, feedback.catchup_tokens)
         if self.stopper is not None:
@@ -769,7 +778,12 @@ class GoodputPolicy(DraftLengthPolicy):
             return estimator.mean(rows) if z is None else estimator.upper(rows, z)
 
         copying = self._copying if self._copying.shape == rows.shape else torch.zeros(rows.shape, dtype=torch.bool)
-        return torch.where(copying, estimate(self.copy_acceptance), estimate(self.lookup_acceptance))
+        by_copy, by_lookup = estimate(self.copy_acceptance), estimate(self.lookup_acceptance)
+        sure = self._confidence
+        if sure is not None and sure.shape == rows.shape:  # proposals that say how sure they are
+            by_copy = self.copy_confidence.scale(by_copy, sure)
+            by_lookup = self.lookup_confidence.scale(by_lookup, sure)
+        return torch.where(copying, by_copy, by_lookup)
 
     def _rate(self, batch, option, by_draft: torch.Tensor, by_lookup: torch.Tensor, share: float) -> float:
         """Expected tokens per second of `option` (lengths, lookup rows), with the catch-up's `share` per token when
