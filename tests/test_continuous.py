@@ -99,8 +99,14 @@ CASES = [
     ("llama", "draft", "goodput", 8, 256, [5, 9, 13, 7], 1, 40),
     ("llama", "draft", "static", 4, 10, [6, 11, 17, 3, 9], 1, 30),
     ("qwen2", "draft", "static", 8, 20, [10, 4, 8, 12], 2, 33),
+    ("llama", "suffix+draft", "static", 8, 20, [5, 9, 13, 7], 2, 40),
+    ("llama", "suffix+draft", "goodput", 8, 256, [5, 9, 13, 7], 2, 40),
+    ("qwen2", "hybrid", "static", 4, 16, [10, 4, 8, 12], 1, 45),
 ]
-"""The draft of `draft` cases is the target with noise on its weights (`perturbed`, scale 0.1)."""
+"""The draft of `draft`, `suffix+draft` and `hybrid` cases is the target with noise on its weights (`perturbed`,
+scale 0.1); the last two draft per request and step from suffix trees or prompt lookup, or from the draft model."""
+SOURCES = {"suffix": "suffix", "suffix+draft": "suffix", "hybrid": "hybrid"}
+"""`DynSpecConfig.proposer` of each case's proposer (others: 'auto')."""
 
 
 @pytest.mark.parametrize(("family", "proposer", "policy", "page", "budget", "lengths", "copies", "new"), CASES)
@@ -115,9 +121,9 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
     expected = [output.generated_tokens for output in expected.values()]
     clear_suffix_caches(model)
     kwargs = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
-    if proposer == "draft":
+    if proposer in ("draft", "suffix+draft", "hybrid"):
         kwargs = {"assistant_model": perturbed(model, scale=0.1, seed=3)}
-    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if proposer == "suffix" else "auto")
+    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer=SOURCES.get(proposer, "auto"))
     manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
                           dynspec_config=spec, **kwargs)
     try:
@@ -131,6 +137,8 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
     assert stats.emitted_tokens > 0
     if proposer != "draft" or policy == "static":  # goodput prices a tiny draft model by its timed forwards
         assert stats.draft_tokens > 0 and stats.accepted_tokens > 0, stats
+    if proposer in ("suffix+draft", "hybrid") and policy == "static":  # both sources served requests
+        assert 0 < stats.free_tokens < stats.draft_tokens, stats
 
 
 TREE_CASES = [
@@ -305,7 +313,7 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_token_accepted():
     assert draft.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft"])
+@pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft", "suffix+draft"])
 def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
     """Sampled requests (temperature) speculate and follow the target's joint law of their tokens (suffix trees:
     through multi-draft rejection sampling)."""
@@ -318,7 +326,8 @@ def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa
     laws = {"first": joint.sum(dim=(3, 4)).reshape(-1), "last": joint.sum(dim=(0, 1)).reshape(-1)}
     config = GenerationConfig(max_new_tokens=LOOP_NEW, do_sample=True, temperature=temperature, top_k=None,
                               top_p=None, eos_token_id=None, pad_token_id=0)
-    kwargs = {"lookup": {"prompt_lookup_num_tokens": 3}, "draft": {"assistant_model": draft}}.get(proposer, {})
+    kwargs = {"lookup": {"prompt_lookup_num_tokens": 3}}.get(proposer, {})
+    kwargs = {"assistant_model": draft} if "draft" in proposer else kwargs
     source = "auto" if proposer in ("lookup", "draft") else "suffix"
     spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer=source,
                          suffix_min_token_probability=0.0, tree_node_budget=6 if proposer == "suffix-tree" else 0)
@@ -339,7 +348,10 @@ def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa
             assert_converges(lambda n, window=window: windows(draw(n))[window], law, sizes=(100, 1_000, 6_000))
     finally:
         manager.stop(block=True)
-    assert manager.speculation.draft_tokens > 0 and manager.speculation.accepted_tokens > 0
+    stats = manager.speculation
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    if proposer == "suffix+draft":  # both sources served requests
+        assert 0 < stats.free_tokens < stats.draft_tokens, stats
 
 
 def test_requests_that_cannot_speculate_get_clear_errors():
@@ -347,7 +359,7 @@ def test_requests_that_cannot_speculate_get_clear_errors():
     config = greedy(8)
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens=N"):
         hf_dynspec.init_continuous_batching(model, generation_config=config)
-    with pytest.raises(ValueError, match="a draft model drafts alone"):
+    with pytest.raises(ValueError, match="a draft model takes no `prompt_lookup_num_tokens`"):
         hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2), prompt_lookup_num_tokens=2,
                                             generation_config=config)
     with pytest.raises(ValueError, match="vocabulary"):

@@ -28,7 +28,12 @@ def test_serve_method_names():
     assert ServeMethod.parse("cb-lookup-static:3") == ServeMethod("cb-lookup-static:3", "lookup", "static", 3)
     assert ServeMethod.parse("cb-draft-static:2") == ServeMethod("cb-draft-static:2", "draft", "static", 2)
     assert ServeMethod.parse("cb-suffix:3:8") == ServeMethod("cb-suffix:3:8", "suffix", "goodput", 3, 8)
-    for bad in ("cb-model", "cb-suffix-fast", "cb-lookup:0", "plain", "cb-lookup:3:4", "cb-suffix:3:0"):
+    hybrid = ServeMethod.parse("cb-suffix+draft-static:3")
+    assert hybrid == ServeMethod("cb-suffix+draft-static:3", "suffix+draft", "static", 3) and hybrid.needs_draft
+    assert not ServeMethod.parse("cb-suffix").needs_draft and ServeMethod.parse("cb-draft").needs_draft
+    bad_names = ("cb-model", "cb-suffix-fast", "cb-lookup:0", "plain", "cb-lookup:3:4", "cb-suffix:3:0",
+                 "cb-suffix+draft:3:8")
+    for bad in bad_names:
         with pytest.raises(ValueError, match="(?i)serve method"):
             ServeMethod.parse(bad)
 
@@ -37,20 +42,24 @@ def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
     out, plots = tmp_path / "serve.json", tmp_path / "plots"
     code = main(["bench", "--scenario", "serve", "--tiny", "--num-prompts", "5", "--max-new-tokens", "12",
                  "--repetitions", "1", "--rates", "20,200",
-                 "--methods", "cb-lookup-static:3,cb-suffix:4:8,cb-draft-static:2",
+                 "--methods", "cb-lookup-static:3,cb-suffix:4:8,cb-suffix+draft-static:2",
                  "--out", str(out), "--plots", str(plots), "--quiet"])
     assert code == 0
     results = json.loads(out.read_text())
     assert results["rates"] == [20.0, 200.0] and results["capacity_requests_per_s"] > 0
     assert {(r["method"], r["rate"]) for r in results["runs"]} == {
-        (m, r) for m in ("cb-plain", "cb-lookup-static:3", "cb-suffix:4:8", "cb-draft-static:2") for r in (20.0, 200.0)}
+        (m, r)
+        for m in ("cb-plain", "cb-lookup-static:3", "cb-suffix:4:8", "cb-suffix+draft-static:2")
+        for r in (20.0, 200.0)
+    }
     for run in results["runs"]:
         assert len(run["requests"]) == 5 and run["tokens_per_s"] > 0
         for request in run["requests"]:
             assert 0 < request["ttft_s"] <= request["latency_s"] and len(request["tokens"]) >= 1
         if "static" in run["method"]:
             assert run["speculation"]["draft_tokens"] > 0
-    assert results["mismatches"] == {"cb-plain": 0, "cb-lookup-static:3": 0, "cb-suffix:4:8": 0, "cb-draft-static:2": 0}
+    assert results["mismatches"] == {"cb-plain": 0, "cb-lookup-static:3": 0, "cb-suffix:4:8": 0,
+                                      "cb-suffix+draft-static:2": 0}
     assert "| 20.000 | cb-suffix:4:8 |" in serve_table(results)
     assert (plots / "serve_latency.png").stat().st_size > 0
 

@@ -114,8 +114,10 @@ def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers):
 
 
 def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_dir, plain_answers):
+    """Each request drafts each step from suffix trees or the draft model (`proposer="suffix"` with a draft)."""
     port = free_port()
-    speculating = serve(model_dir, assistant_model=draft_dir, dynspec_config={"policy": "static"}, port=port, **SERVER)
+    config = {"policy": "static", "proposer": "suffix"}
+    speculating = serve(model_dir, assistant_model=draft_dir, dynspec_config=config, port=port, **SERVER)
     try:
         wait_until_listening(port)
         answers = ask_all(port, model_dir)
@@ -126,6 +128,7 @@ def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_d
     assert isinstance(manager, SpeculativeManager)
     assert manager.speculator.proposer.model.dtype == torch.float64
     assert manager.speculation.accepted_tokens > 0
+    assert manager.speculation.free_tokens < manager.speculation.draft_tokens  # the draft model drafted too
 
 
 def test_serve_command_line_maps_to_transformers_serve_options():
@@ -137,9 +140,10 @@ def test_serve_command_line_maps_to_transformers_serve_options():
     assert config.proposer == "suffix" and config.policy == "static" and config.num_speculative_tokens == 3
     assert arguments == {"model": "some/model", "assistant_model": None, "prompt_lookup_num_tokens": None,
                          "continuous_batching": True, "port": 8123, "cb_num_blocks": 32, "device": "cpu"}
-    command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b"]
+    command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b", "--proposer", "hybrid"]
     pair = serve_arguments(build_parser().parse_args(command))
     assert pair["model"] == "qwen2.5-coder-1.5b" and pair["assistant_model"] == "qwen2.5-coder-0.5b"
+    assert pair["dynspec_config"].proposer == "hybrid"
 
 
 def test_serve_needs_a_proposer():

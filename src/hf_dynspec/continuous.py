@@ -6,8 +6,8 @@ forward holds the decoding requests' newest tokens and chunks of other requests'
 over a paged KV cache. Speculation enters at three seams of that engine, and nowhere else:
 
 - before the scheduler builds a step, every decoding request gets `k_i` draft tokens from its proposer (a draft
-  model decoding the same requests in a paged cache of its own, prompt lookup, or suffix trees over every request's
-  prompt and output), `k_i` chosen by the policy
+  model decoding the same requests in a paged cache of its own, prompt lookup, suffix trees over every request's
+  prompt and output, or per request one of these and the draft model), `k_i` chosen by the policy
   (`DynSpecConfig.policy`, goodput by default) from the decoding requests, their acceptance and the measured step
   costs. The request's query becomes its newest token and its draft: the scheduler (transformers' own, subclassed
   through its `SCHEDULER_MAPPING` registry) books them as tokens of the step and pages of the cache, and cuts a draft
@@ -78,6 +78,7 @@ class RequestProposer(ABC):
     the policy sees before it sizes the drafts), then for the `drafts` of the lengths the policy chose."""
 
     model: PreTrainedModel | None = None  # the draft model, when one drafts
+    max_free_tokens: int = 0  # a hybrid's: most tokens of a model-free offer (not held to the draft model's cap)
     catchup_seconds: float = 0.0  # this step's catch-up of the draft model on wide backlogs (its prompt prefill)
     catchup_tokens: int = 0  # tokens of that catch-up
 
@@ -99,8 +100,11 @@ class RequestProposer(ABC):
         the tokens a draft model must catch up on (`backlog`); each `[requests]`."""
 
     @abstractmethod
-    def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
-        """Each request's draft tokens, at most its length (the `requests` `hints` last saw)."""
+    def drafts(
+        self, requests: list[DraftRequest], lengths: list[int], free_rows: list[bool] | None = None
+    ) -> list[list[int]]:
+        """Each request's draft tokens, at most its length (the `requests` `hints` last saw); a hybrid serves the
+        `free_rows` requests from its model-free offer, the others from its draft model."""
 
     def trees(
         self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
@@ -133,7 +137,9 @@ class ModelFreeRequests(RequestProposer):
             hints["free_confidence"] = torch.tensor([sure for _, _, sure in offers], dtype=torch.float64)
         return hints
 
-    def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
+    def drafts(
+        self, requests: list[DraftRequest], lengths: list[int], free_rows: list[bool] | None = None
+    ) -> list[list[int]]:
         return [found[:length] for found, length in zip(self._offers, lengths)]
 
 
@@ -267,7 +273,9 @@ class DraftModelRequests(RequestProposer):
         return len(request.tokens) - _common_prefix(seen, request.tokens)
 
     @torch.no_grad()
-    def drafts(self, requests: list[DraftRequest], lengths: list[int]) -> list[list[int]]:
+    def drafts(
+        self, requests: list[DraftRequest], lengths: list[int], free_rows: list[bool] | None = None
+    ) -> list[list[int]]:
         self.catchup_seconds, self.catchup_tokens = 0.0, 0
         wanted = {r.request_id: n for r, n in zip(requests, lengths) if n > 0 and self.cache is not None}
         drafting = [r for r in requests if r.request_id in wanted]
@@ -344,6 +352,50 @@ class DraftModelRequests(RequestProposer):
         return logits
 
 
+class HybridRequests(RequestProposer):
+    """Per request and step, a model-free offer (suffix trees or prompt lookup) or the draft model, as the policy
+    decides (`DraftLengthPolicy.free_rows`; without an answer, the offer where it covers the chosen length), as
+    `HybridProposer` does in `generate`. Offers hold up to `max_free_tokens` (`prompt_lookup_max_tokens`): they cost no
+    draft forward. The draft model runs only for the requests it serves and catches up later on the tokens the others
+    accepted."""
+
+    def __init__(self, free: ModelFreeRequests, draft: DraftModelRequests, max_free_tokens: int) -> None:
+        self.free, self.draft = free, draft
+        self.model = draft.model
+        self.max_free_tokens = max_free_tokens
+
+    @property
+    def cache(self) -> PagedAttentionCache | None:
+        """The draft model's paged cache."""
+        return self.draft.cache
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        self.free.start(request_id, prompt)
+        self.draft.start(request_id, prompt)
+
+    def finish(self, request_id: str, tokens: list[int] | None) -> None:
+        self.free.finish(request_id, tokens)
+        self.draft.finish(request_id, tokens)
+
+    def open(self, manager: ContinuousBatchingManager) -> None:
+        self.draft.open(manager)
+
+    def close(self) -> None:
+        self.draft.close()
+
+    def hints(self, requests: list[DraftRequest]) -> dict[str, torch.Tensor]:
+        return self.free.hints(requests) | self.draft.hints(requests)
+
+    def drafts(
+        self, requests: list[DraftRequest], lengths: list[int], free_rows: list[bool] | None = None
+    ) -> list[list[int]]:
+        free_rows = free_rows if free_rows is not None else [False] * len(requests)
+        offers = self.free.drafts(requests, lengths)
+        by_draft = self.draft.drafts(requests, [0 if free else n for free, n in zip(free_rows, lengths)])
+        self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
+        return [offer if free else drafted for free, offer, drafted in zip(free_rows, offers, by_draft)]
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of `a` and `b`."""
     n = min(len(a), len(b))
@@ -392,6 +444,7 @@ class SpeculationStats:
     decode_steps: int = 0  # forwards with at least one decoding request
     drafting_steps: int = 0  # forwards in which a request drafted
     draft_tokens: int = 0  # draft tokens verified (every node of a token tree)
+    free_tokens: int = 0  # of those, from model-free offers (all of a model-free proposer's; a hybrid's share)
     accepted_tokens: int = 0  # of those, accepted
     emitted_tokens: int = 0  # tokens decoding requests emitted (accepted ones and one per decoding request and step)
 
@@ -409,6 +462,7 @@ class _Row:
     requested: int  # draft tokens the policy asked for (a tree's depth)
     draft: list[int] = field(default_factory=list)  # draft tokens the request verifies (after the scheduler's cut)
     parents: list[int] | None = None  # a token tree's: each draft token's parent node (0 = the newest token)
+    free: bool = False  # its draft is a model-free offer (not the draft model's)
 
     @property
     def depth(self) -> int:
@@ -446,22 +500,23 @@ class Speculator:
         self._prefilled = False  # the policy has seen a first forward (its prefill feedback)
         self._draft_seconds = 0.0
         self._catchup = (0.0, 0)  # this step's catch-up of a draft model: seconds, tokens
+        self._offered = False  # this step's proposer made model-free offers
         self.policy.reset(0)
 
     # ---- before the scheduler ----------------------------------------------------------------------------------------
     def propose(self, active: dict[str, RequestState]) -> None:
         """Give every decoding request of `active` its draft: its query becomes its newest token and the draft."""
         start = time.perf_counter()
-        self._catchup = (0.0, 0)
+        self._catchup, self._offered = (0.0, 0), False
         self._sync(active)
         states = [s for s in active.values() if _decoding(s)]
         self.rows = {}
         if not states or not self._prefilled or self.max_draft_tokens == 0:
             self.rows = {s.request_id: _Row(s, self._slot(s), 0) for s in states}
             return
+        most = max(self.max_draft_tokens, self.proposer.max_free_tokens)
         requests = [
-            DraftRequest(s.request_id, s.initial_tokens + s.generated_tokens,
-                         min(self.max_draft_tokens, _remaining(s) - 1))
+            DraftRequest(s.request_id, s.initial_tokens + s.generated_tokens, min(most, _remaining(s) - 1))
             for s in states
         ]
         request = PolicyInput(
@@ -473,22 +528,38 @@ class Speculator:
             **self.proposer.hints(requests),
         )
         chosen = self.policy.draft_lengths(request).cpu().tolist()  # [decoding requests]
-        lengths = [max(0, min(int(n), r.cap)) for n, r in zip(chosen, requests)]
-        for state, slot, length, (draft, parents) in zip(
-            states, request.row_ids.tolist(), lengths, self._drafts(request, requests, lengths)
+        free = self._free_rows(request, chosen)
+        self._offered = request.free_lengths is not None
+        caps = [r.cap if served else min(r.cap, self.max_draft_tokens) for r, served in zip(requests, free)]
+        lengths = [max(0, min(int(n), cap)) for n, cap in zip(chosen, caps)]
+        for state, slot, length, served, (draft, parents) in zip(
+            states, request.row_ids.tolist(), lengths, free, self._drafts(request, requests, lengths, free)
         ):
-            row = _Row(state, slot, length, draft, parents)
+            row = _Row(state, slot, length, draft, parents, served)
             state.tokens_to_process = state.tokens_to_process[:1] + row.draft
             self.rows[state.request_id] = row
         self._catchup = (self.proposer.catchup_seconds, self.proposer.catchup_tokens)
         self._draft_seconds = time.perf_counter() - start - self._catchup[0]
 
+    def _free_rows(self, request: PolicyInput, chosen: list[int]) -> list[bool]:
+        """Which decoding requests draft from a model-free offer: every one of a model-free proposer, none of a draft
+        model alone, and a hybrid's as the policy says (without an answer: where the offer covers the chosen length)."""
+        if request.free_lengths is None:
+            return [False] * len(chosen)
+        offered = request.free_lengths.tolist()
+        if request.backlog is None:
+            return [True] * len(chosen)
+        answer = self.policy.free_rows(request)
+        free = answer.cpu().tolist() if answer is not None else [n >= k for n, k in zip(offered, chosen)]
+        return [bool(served) and n > 0 for served, n in zip(free, offered)]
+
     def _drafts(
-        self, request: PolicyInput, requests: list[DraftRequest], lengths: list[int]
+        self, request: PolicyInput, requests: list[DraftRequest], lengths: list[int], free: list[bool]
     ) -> list[tuple[list[int], list[int] | None]]:
         """Each request's draft of the chosen length (depth) and, for token trees, its tokens' parent nodes."""
         if not self.max_tree_nodes:
-            return [(draft[:length], None) for draft, length in zip(self.proposer.drafts(requests, lengths), lengths)]
+            drafts = self.proposer.drafts(requests, lengths, free)
+            return [(draft[:length], None) for draft, length in zip(drafts, lengths)]
         budgets = self.policy.node_budgets(request, torch.tensor(lengths, dtype=torch.long))  # [decoding requests]
         budgets = [min(max(int(b), 1), self.max_tree_nodes) if n > 0 else 0 for b, n in zip(budgets.tolist(), lengths)]
         return self.proposer.trees(requests, lengths, budgets)
@@ -564,12 +635,13 @@ class Speculator:
             target_tokens=query_tokens,
             catchup_seconds=self._catchup[0],
             catchup_tokens=self._catchup[1],
-            free_rows=drafted > 0 if self.proposer.model is None else None,
+            free_rows=torch.tensor([row.free for row in rows]) & (drafted > 0) if self._offered else None,
         )
         self.policy.observe(feedback)
         self.stats.decode_steps += 1
         self.stats.drafting_steps += int(bool((drafted > 0).any()))
         self.stats.draft_tokens += sum(len(row.draft) for row in rows)
+        self.stats.free_tokens += sum(len(row.draft) for row in rows if row.free)
         self.stats.accepted_tokens += int(taken.sum())
         self.stats.emitted_tokens += int(taken.sum()) + len(rows)
         self._draft_seconds = 0.0
@@ -959,8 +1031,9 @@ def init_continuous_batching(
     Drafts come from `assistant_model` (a draft model sharing the target's vocabulary, in a paged cache of its own:
     `DraftModelRequests`), from prompt lookup (`prompt_lookup_num_tokens`, the most draft tokens a request proposes in
     a step) or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output
-    (the `suffix` extra). Greedy outputs equal those of `model.generate_batch`; sampled ones follow the same
-    distribution.
+    (the `suffix` extra). With `assistant_model` and `proposer="suffix"` or `"hybrid"`, each request drafts each step
+    from suffix trees or prompt lookup, or from the draft model, as the policy decides. Greedy outputs equal those of
+    `model.generate_batch`; sampled ones follow the same distribution.
 
     Example:
 
@@ -1034,16 +1107,25 @@ def _draft_proposer(
     prompt_lookup_num_tokens: int | None,
     assistant_model: PreTrainedModel,
 ) -> DraftModelRequests:
-    """A draft model's proposer, with clear errors for what continuous batching does not combine with it yet."""
-    if config.proposer != "auto" or prompt_lookup_num_tokens is not None:
+    """A draft model's proposer: alone with proposer='auto'; with proposer='hybrid' or 'suffix', beside prompt lookup
+    or suffix trees (`HybridRequests`)."""
+    if prompt_lookup_num_tokens is not None:
         raise ValueError(
-            "Under continuous batching a draft model drafts alone: drop `prompt_lookup_num_tokens` and use "
-            "DynSpecConfig(proposer='auto') (hybrid and suffix+draft proposals run in `hf_dynspec.generate`)."
+            "Under continuous batching a draft model takes no `prompt_lookup_num_tokens`: drop it, and use "
+            "DynSpecConfig(proposer='hybrid') for prompt lookup beside the draft model (up to "
+            "`prompt_lookup_max_tokens` tokens a step)."
         )
     check_vocabularies(model, assistant_model)
     _check_attention(assistant_model)
     _paged_implementation(assistant_model)
-    return DraftModelRequests(assistant_model)
+    draft = DraftModelRequests(assistant_model)
+    if config.proposer == "auto" or config.num_speculative_tokens == 0:
+        return draft
+    if config.proposer == "suffix":
+        free: ModelFreeRequests = SuffixRequests(suffix_cache_for(model, SuffixSettings.from_config(config)))
+    else:
+        free = LookupRequests(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
+    return HybridRequests(free, draft, config.prompt_lookup_max_tokens)
 
 
 def generate_batch(

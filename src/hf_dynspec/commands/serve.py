@@ -51,8 +51,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "Hub id; loaded in the served model's dtype.")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                         help="Draft up to this many tokens a step by prompt lookup.")
-    parser.add_argument("--proposer", choices=("suffix",), default=None,
-                        help="'suffix': draft from suffix trees over every request's prompt and output.")
+    parser.add_argument("--proposer", choices=("suffix", "hybrid"), default=None,
+                        help="'suffix': draft from suffix trees over every request's prompt and output; with --draft, "
+                             "per request and step from them or the draft model. 'hybrid' (with --draft): prompt "
+                             "lookup or the draft model.")
     parser.add_argument("--dynspec-config", default=None,
                         help="DynSpecConfig as a JSON file or a JSON object (policy, num_speculative_tokens, ...).")
     for flag, (_, kind, text) in SERVE_OPTIONS.items():

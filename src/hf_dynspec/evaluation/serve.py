@@ -9,7 +9,8 @@ plain continuous batching (`cb-plain`, `model.init_continuous_batching`), or a s
   (up to N tokens), draft lengths from the goodput policy;
 - `cb-draft-static:K`, `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting
   up to K tokens;
-- `cb-suffix[-static]:K:N`: suffix token trees of up to N nodes, K deep.
+- `cb-suffix[-static]:K:N`: suffix token trees of up to N nodes, K deep;
+- `cb-suffix+draft[-static][:K]`: per request and step, suffix trees or the draft model, as the policy decides.
 
 Per request: latency (arrival to last token), time to first token, time per output token after the first. Per run:
 output tokens per second from the first arrival to the last token. The default rates are shares of the plain
@@ -41,25 +42,26 @@ class ServeMethod:
     """A way to serve: plain continuous batching, or speculation from `proposer` sized by `policy`."""
 
     name: str
-    proposer: str | None = None  # "draft", "suffix" or "lookup"; None: plain
+    proposer: str | None = None  # "draft", "suffix", "lookup" or "suffix+draft"; None: plain
     policy: str = "goodput"
     tokens: int = 4  # most draft tokens a request proposes in a step (a tree's depth)
     tree_nodes: int = 0  # suffix token trees of at most this many nodes; 0: chains
 
     @classmethod
     def parse(cls, name: str) -> ServeMethod:
-        """`cb-plain`, or `cb-<proposer>[-static][:K]` with proposer `draft`, `suffix` or `lookup`, or
-        `cb-suffix[-static]:K:N` (trees of N nodes)."""
+        """`cb-plain`, or `cb-<proposer>[-static][:K]` with proposer `draft`, `suffix`, `lookup` or `suffix+draft`,
+        or `cb-suffix[-static]:K:N` (trees of N nodes)."""
         if name == "cb-plain":
             return cls(name)
         base, *numbers = name.split(":")
         parts = base.split("-")
-        if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in ("draft", "suffix", "lookup") or (
+        proposers = ("draft", "suffix", "lookup", "suffix+draft")
+        if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in proposers or (
             len(parts) == 3 and parts[2] != "static"
         ) or len(numbers) > (2 if parts[1] == "suffix" else 1):
             raise ValueError(
-                f"Unknown serve method {name!r}: use cb-plain, or cb-draft, cb-suffix or cb-lookup, each optionally "
-                "with -static and :K (cb-suffix-static:4), or suffix trees of N nodes as cb-suffix:K:N."
+                f"Unknown serve method {name!r}: use cb-plain, or cb-draft, cb-suffix, cb-lookup or cb-suffix+draft, "
+                "each optionally with -static and :K (cb-suffix-static:4), or suffix trees of N nodes as cb-suffix:K:N."
             )
         if any(not number.isdigit() or int(number) < 1 for number in numbers):
             raise ValueError(f"Serve method {name!r}: the numbers after ':' must be positive integers.")
@@ -67,8 +69,13 @@ class ServeMethod:
         values = [int(number) for number in numbers]
         return cls(name, parts[1], policy, values[0] if values else 4, values[1] if len(values) > 1 else 0)
 
+    @property
+    def needs_draft(self) -> bool:
+        """Whether the method drafts with the draft model (`cb-draft`, `cb-suffix+draft`)."""
+        return self.proposer is not None and "draft" in self.proposer
+
     def manager(self, model: torch.nn.Module, generation_config: Any, cb_config: Any, draft: Any = None):
-        """A started manager for this method (`draft`: the draft model of `cb-draft` methods)."""
+        """A started manager for this method (`draft`: the draft model of `needs_draft` methods)."""
         if self.proposer is None:
             manager = model.init_continuous_batching(
                 generation_config=generation_config, continuous_batching_config=cb_config
@@ -80,11 +87,11 @@ class ServeMethod:
 
             clear_suffix_caches(model)  # every run starts from an empty cache: the trace's prompts repeat across runs
             config = DynSpecConfig(num_speculative_tokens=self.tokens, policy=self.policy,
-                                   proposer="suffix" if self.proposer == "suffix" else "auto",
+                                   proposer="suffix" if self.proposer.startswith("suffix") else "auto",
                                    tree_node_budget=self.tree_nodes)
             lookup = self.tokens if self.proposer == "lookup" else None
             manager = init_continuous_batching(
-                model, draft if self.proposer == "draft" else None, prompt_lookup_num_tokens=lookup,
+                model, draft if self.needs_draft else None, prompt_lookup_num_tokens=lookup,
                 dynspec_config=config, generation_config=generation_config, continuous_batching_config=cb_config,
             )
         manager.start()
@@ -299,7 +306,7 @@ def run_serve(settings: Any, progress: bool = True) -> dict[str, Any]:
     methods = [ServeMethod.parse(name) for name in settings.methods.split(",") if name]
     if not any(method.name == "cb-plain" for method in methods):
         methods.insert(0, ServeMethod.parse("cb-plain"))
-    model, draft, prompts = load_inputs(settings, need_draft=any(method.proposer == "draft" for method in methods))
+    model, draft, prompts = load_inputs(settings, need_draft=any(method.needs_draft for method in methods))
     page = 64
     longest = max(len(prompt) for prompt in prompts) + settings.max_new_tokens
     cb_config = {"page_size": page, "num_blocks": len(prompts) * (math.ceil(longest / page) + 1),
