@@ -808,6 +808,25 @@ def test_hybrid_learns_that_copies_are_accepted_where_other_lookups_are_not() ->
     assert served_by_lookup(unsplit, 12) == served_by_lookup(unsplit, 1)
 
 
+def test_a_draft_without_lookahead_leaves_any_sure_lookup_a_verify_of_its_own() -> None:
+    """Short matches that were always accepted: beside a draft whose lookahead already tries them they are not served
+    alone (only copies are); beside a draft without lookahead (`draft_tries_free=False`: draft_lookahead=0, or
+    continuous batching) they are."""
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None), cost_model=in_memory_cost())
+    policy.reset(1)
+    for _ in range(12):
+        policy.draft_lengths(lookup_request(1))
+        policy.observe(StepFeedback(torch.tensor([0]), torch.tensor([10]), torch.tensor([10]), torch.tensor([10]),
+                                    0.0, 0.6, 11, free_rows=torch.tensor([True])))
+    served = {}
+    for tries in (True, False):
+        request = lookup_request(1)
+        request.backlog, request.draft_tries_free = torch.tensor([0]), tries
+        lengths, free = policy.draft_lengths(request), policy.free_rows(request)
+        served[tries] = int(lengths[0]) if free is not None and bool(free[0]) else 0
+    assert served[True] == 0 and served[False] >= 8, served
+
+
 @pytest.mark.parametrize("option", [{"copy_anchor": -1}, {"copy_anchor": 2.5}, {"copy_prior_acceptance": 1.0}])
 def test_copy_options_are_checked(option) -> None:
     with pytest.raises(ValueError, match=next(iter(option))):

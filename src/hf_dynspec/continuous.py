@@ -525,6 +525,7 @@ class Speculator:
             remaining_tokens=torch.tensor([_remaining(s) for s in states], dtype=torch.long),
             max_draft_tokens=self.max_draft_tokens,
             max_tree_nodes=self.max_tree_nodes,
+            draft_tries_free=False,  # the draft model here has no lookahead
             **self.proposer.hints(requests),
         )
         chosen = self.policy.draft_lengths(request).cpu().tolist()  # [decoding requests]

@@ -396,7 +396,7 @@ class _Run:
         confidence = self.proposer.free_confidence(batch) if free_lengths is not None else None
         request = PolicyInput(
             step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget,
-            free_anchors=anchors, free_confidence=confidence,
+            free_anchors=anchors, free_confidence=confidence, draft_tries_free=self.config.draft_lookahead > 0,
         )
         lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):

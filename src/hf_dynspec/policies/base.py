@@ -25,6 +25,7 @@ class PolicyInput:
     max_tree_nodes: int = 0  # most draft nodes of a row's token tree (DynSpecConfig.tree_node_budget); 0 = chains
     free_anchors: torch.LongTensor | None = None  # [batch] tokens the row's end shares with the free proposal's source
     free_confidence: torch.Tensor | None = None  # [batch] how sure the free proposal is (`free_confidence`), or None
+    draft_tries_free: bool = True  # a hybrid's draft forwards also try the free proposals' tokens (draft lookahead)
 
     @property
     def batch_size(self) -> int:

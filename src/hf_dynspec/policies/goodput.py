@@ -751,7 +751,7 @@ class GoodputPolicy(DraftLengthPolicy):
             alone = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(model), self.settings.min_gain)
             return alone, alone > 0
         lengths = best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share)
-        if self.settings.copy_anchor:
+        if self.settings.copy_anchor and request.draft_tries_free:
             # Only copies are worth a verify of their own: the draft's lookahead already feeds every other row's
             # continuation along its forward, and keeps what the draft agrees with.
             lookup_caps = torch.where(self._copying, lookup_caps, 0)
