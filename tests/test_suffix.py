@@ -38,6 +38,13 @@ def suffix_generate(target, ids, mask, config: DynSpecConfig, max_new_tokens: in
     )
 
 
+def linear_profile() -> dict:
+    """A calibration profile whose verify forward costs 50 ms plus 10 ms per token: priced steps, no timing."""
+    timings = [{"batch_size": b, "tokens_per_row": t, "seconds": 0.05 + 0.01 * b * t, "samples": 1}
+               for b in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8)]
+    return {"format": "hf_dynspec.profile", "version": 1, "target_forward": timings, "draft_forward": []}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize(
     ("policy", "tree", "with_draft"),
@@ -49,7 +56,9 @@ def test_suffix_matches_plain_greedy(family, policy, tree, with_draft, lengths, 
     target = tiny_model(family, seed=0)
     ids, mask = grouped_prompts(lengths, group, seed=len(lengths) + group)
     expected = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    config = DynSpecConfig(num_speculative_tokens=4, proposer="suffix", policy=policy, tree_node_budget=tree)
+    priced = {"cost_model": "profile", "profile": linear_profile()} if policy == "goodput" else {}  # not timed
+    config = DynSpecConfig(num_speculative_tokens=4, proposer="suffix", policy=policy, policy_options=priced,
+                           tree_node_budget=tree)
     draft = perturbed(target, scale=0.05) if with_draft else None
     for call in range(2):  # the second call proposes from the first call's outputs too
         out = suffix_generate(target, ids, mask, config, do_sample=False, assistant_model=draft)
@@ -136,13 +145,6 @@ def test_suffix_samples_follow_target_distribution(small_vocab_pair, tree):  # n
     for window, law in laws.items():
         assert_converges(lambda n, window=window: windows(draw(n))[window], law, sizes=(200, 2_000, 20_000))
     assert min(drafted) > 0
-
-
-def linear_profile() -> dict:
-    """A calibration profile whose verify forward costs 50 ms plus 10 ms per token: priced steps, no timing."""
-    timings = [{"batch_size": b, "tokens_per_row": t, "seconds": 0.05 + 0.01 * b * t, "samples": 1}
-               for b in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8)]
-    return {"format": "hf_dynspec.profile", "version": 1, "target_forward": timings, "draft_forward": []}
 
 
 def priced_seconds(stats) -> float:
