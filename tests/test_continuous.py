@@ -142,25 +142,31 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
 
 
 TREE_CASES = [
-    # family, policy, page size, step token budget, prompt lengths, copies, new tokens, tree nodes
-    ("llama", "static", 8, 256, [8, 12], 3, 36, 8),
-    ("llama", "goodput", 4, 256, [5, 9, 14], 4, 40, 10),
-    ("qwen2", "static", 4, 20, [7, 10, 5], 3, 28, 6),
+    # family, proposer, policy, page size, step token budget, prompt lengths, copies, new tokens, tree nodes
+    ("llama", "suffix", "static", 8, 256, [8, 12], 3, 36, 8),
+    ("llama", "suffix", "goodput", 4, 256, [5, 9, 14], 4, 40, 10),
+    ("qwen2", "suffix", "static", 4, 20, [7, 10, 5], 3, 28, 6),
+    ("llama", "lookup", "static", 8, 256, [8, 12, 6], 1, 40, 8),
+    ("qwen2", "lookup", "static", 4, 20, [7, 10, 5], 2, 30, 6),
 ]
 
 
-@pytest.mark.parametrize(("family", "policy", "page", "budget", "lengths", "copies", "new", "nodes"), TREE_CASES)
-def test_suffix_trees_match_plain_generate_batch(family, policy, page, budget, lengths, copies, new, nodes):
-    """Suffix token trees (sibling requests make them branch) give the tokens of plain `generate_batch`, with small
-    pages and step budgets that cut trees, over two passes."""
+@pytest.mark.parametrize(
+    ("family", "proposer", "policy", "page", "budget", "lengths", "copies", "new", "nodes"), TREE_CASES
+)
+def test_token_trees_match_plain_generate_batch(family, proposer, policy, page, budget, lengths, copies, new, nodes):
+    """Suffix token trees (sibling requests make them branch) and prompt-lookup tries give the tokens of plain
+    `generate_batch`, with small pages and step budgets that cut trees, over two passes."""
     model = tiny_model(family, seed=0)
     prompts = repetitive_prompts(lengths, seed=len(lengths) + copies, copies=copies)
     config = greedy(new)
     expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(page))
     clear_suffix_caches(model)
-    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix", tree_node_budget=nodes)
+    lookup = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
+    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if proposer == "suffix" else "auto",
+                         tree_node_budget=nodes)
     manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
-                          dynspec_config=spec)
+                          dynspec_config=spec, **lookup)
     try:
         for attempt in range(2):
             got = list(run(manager, prompts, new).values())
@@ -169,6 +175,17 @@ def test_suffix_trees_match_plain_generate_batch(family, policy, page, budget, l
     finally:
         manager.stop(block=True)
     assert manager.speculation.accepted_tokens > 0, manager.speculation
+
+
+def test_a_lookup_tree_holds_every_continuation_of_the_final_ngram():
+    """`LookupRequests.trees`: the continuations of both earlier occurrences of the request's last token, branching
+    under the root, cut to the depth and node budget; parents before children (0: the newest token)."""
+    lookup = LookupRequests(max_ngram=2, min_ngram=1)
+    request = DraftRequest("r", [5, 6, 7, 9, 5, 8, 7, 9, 3, 5], cap=4)
+    assert lookup.trees([request], [2], [8]) == [([8, 7, 6, 7], [0, 1, 0, 3])]  # 5-8-7 (latest first), 5-6-7
+    assert lookup.trees([request, request], [1, 0], [8, 8]) == [([8, 6], [0, 0]), ([], [])]
+    tokens, parents = lookup.trees([request], [3], [3])[0]
+    assert len(tokens) == 3 and all(parent <= node for node, parent in enumerate(parents))
 
 
 class SecondBranchTrees(ModelFreeRequests):
@@ -372,8 +389,8 @@ def test_requests_that_cannot_speculate_get_clear_errors():
         hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "hybrid"})
     with pytest.raises(ValueError, match="positive integer"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=0, generation_config=config)
-    with pytest.raises(ValueError, match="token trees come from suffix proposals"):
-        hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=2, generation_config=config,
+    with pytest.raises(ValueError, match="token trees come from suffix trees or prompt lookup"):
+        hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2), generation_config=config,
                                             dynspec_config={"tree_node_budget": 4})
     flash = tiny_model("llama", seed=2)
     flash.config._attn_implementation = "paged|flash_attention_2"

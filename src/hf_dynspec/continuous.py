@@ -18,9 +18,9 @@ over a paged KV cache. Speculation enters at three seams of that engine, and now
 - the request's position then moves back over its rejected positions, which the next step overwrites in the paged
   cache. Blocks registered for prefix sharing are counted over the accepted positions only.
 
-Suffix proposals may be token trees: a tree's nodes are the request's query (parents first), its block of the step's
-attention mask is rewritten so that each node sees its ancestors alone, at its depth's position, and the accepted
-nodes' keys and values are copied to their path's positions after verification.
+Suffix and prompt-lookup proposals may be token trees: a tree's nodes are the request's query (parents first), its
+block of the step's attention mask is rewritten so that each node sees its ancestors alone, at its depth's position,
+and the accepted nodes' keys and values are copied to their path's positions after verification.
 
 Requests without a draft go through transformers' own update, unchanged, so a step in which no request drafts is
 exactly a plain continuous-batching step. What this module relies on of transformers' internals lives here alone.
@@ -56,6 +56,7 @@ from .candidates.draft_model import MAX_INLINE_TAIL
 from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
 from .candidates.suffix import SuffixCache, SuffixSettings, chain_confidence, cut_tree, suffix_cache_for
 from .candidates.tree import TokenTree
+from .candidates.trie import lookup_trie
 from .config import DynSpecConfig
 from .loop import _parameter_ratio, _policy_for
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
@@ -153,6 +154,21 @@ class LookupRequests(ModelFreeRequests):
     def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
         found, anchor = lookup_match(torch.tensor(tokens), self.max_ngram, self.min_ngram, max_tokens, MAX_ANCHOR)
         return found.tolist(), anchor, None
+
+    def trees(
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each request's prompt-lookup trie (`candidates.trie.lookup_trie`: every continuation of every earlier
+        occurrence of its final n-gram) of at most `budgets[i]` nodes and depth `depths[i]`."""
+        trees = []
+        for request, depth, budget in zip(requests, depths, budgets):
+            tokens, parents = [0], [-1]  # the trie's node 0 is its root, the request's newest token, as here
+            if depth > 0 and budget > 0:
+                tokens, parents = lookup_trie(
+                    torch.tensor(request.tokens), self.max_ngram, self.min_ngram, budget, depth
+                )
+            trees.append((tokens[1:], parents[1:]))
+        return trees
 
 
 class SuffixRequests(ModelFreeRequests):
@@ -1072,10 +1088,11 @@ def _request_proposer(
     assistant_model: PreTrainedModel | None,
 ) -> tuple[RequestProposer, int]:
     """The proposer the arguments ask for, and the most draft tokens a request proposes in a step."""
-    if config.tree_node_budget and (assistant_model is not None or config.proposer != "suffix"):
+    if config.tree_node_budget and assistant_model is not None:
         raise ValueError(
-            "Under continuous batching token trees come from suffix proposals: use "
-            "DynSpecConfig(proposer='suffix', tree_node_budget=N), or set `tree_node_budget=0` for chains."
+            "Under continuous batching token trees come from suffix trees or prompt lookup: drop `assistant_model` "
+            "(DynSpecConfig(proposer='suffix', tree_node_budget=N), or `prompt_lookup_num_tokens` with it), or set "
+            "`tree_node_budget=0` for chains."
         )
     if assistant_model is not None:
         return _draft_proposer(model, config, prompt_lookup_num_tokens, assistant_model), config.num_speculative_tokens
