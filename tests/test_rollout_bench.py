@@ -130,3 +130,23 @@ def test_a_tiny_bench_runs_foreign_suffix_methods_identical_to_plain():
     results = bench.run_benchmark(settings, progress=False)
     runs = {run["method"]: run for run in results["runs"]}
     assert runs["dynspec-suffix+foreign"]["matches_plain"] and runs["dynspec-suffix"]["matches_plain"]
+
+
+def test_packed_verify_forwards_count_every_row_they_pack():
+    import time
+
+    from conftest import left_padded_prompts, perturbed, tiny_model
+    from test_packing import run
+
+    from hf_dynspec.evaluation.rollout import ActiveRowsTimeline
+
+    target = tiny_model("llama", seed=1)
+    ids, mask = left_padded_prompts([6, 9, 11, 5], seed=2)
+    timeline = ActiveRowsTimeline(target)
+    start = time.perf_counter()
+    out = run(target, perturbed(target, scale=0.05), ids, mask, True, 0)  # ragged draft lengths: packed verifies
+    rows = [active for _, active in timeline.take(start, time.perf_counter())][:-1]
+    timeline.remove()
+    steps = out.dynspec_stats.steps
+    assert any(s.target_tokens < s.batch_size * (1 + max(s.draft_lengths)) for s in steps)  # some step was packed
+    assert rows == [4] + [s.batch_size for s in steps]  # the prefill, then each verify forward's rows

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ..cache import cache_kwarg
+from ..packing import PackedCache
+
 BUCKETS = {"8+": (8, None), "2-7": (2, 7), "1": (1, 1)}
 """Active-row ranges the report splits a run's time into (inclusive bounds; `None`: no upper bound)."""
 
@@ -30,11 +33,8 @@ class ActiveRowsTimeline:
         self._handle = model.get_decoder().register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if inputs is None and args:
-            inputs = args[0]
         self.starts.append(time.perf_counter())
-        self.rows.append(int(inputs.shape[0]) if inputs is not None else 0)
+        self.rows.append(_forward_rows(module, args, kwargs))
 
     def take(self, start: float, end: float, lengths: Sequence[int] | None = None) -> list[tuple[float, int]]:
         """The call's forwards as `(seconds since start, active rows)`, then `(end - start, 0)`; clears the record.
@@ -54,6 +54,18 @@ class ActiveRowsTimeline:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def _forward_rows(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> int:
+    """Batch rows of a decoder forward; a packed verify forward (`hf_dynspec.packing`) feeds all rows as one sequence
+    (`[1, total]`), so its rows are those of its packing."""
+    cache = kwargs.get(cache_kwarg(type(module).forward))
+    if isinstance(cache, PackedCache):
+        return cache.packing.batch
+    inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if inputs is None and args:
+        inputs = args[0]
+    return int(inputs.shape[0]) if inputs is not None else 0
 
 
 def bucket_seconds(timeline: Sequence[tuple[float, int]]) -> dict[str, float]:
