@@ -323,6 +323,11 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         logits = None if proposal.probs is None else proposal.probs[:, :k].log()
         return candidates, logits
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Draft tokens per step in transformers' loop (transformers >= 5.25 sizes its cache's past recording by it)."""
+        return self._num_assistant_tokens
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """Nothing to learn here: draft lengths are the policy's job, and the cache catches up on the next call."""
 
