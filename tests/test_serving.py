@@ -3,25 +3,30 @@ against the same server without speculation (greedy, concurrent requests, stream
 
 from __future__ import annotations
 
+import json
+import re
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 from conftest import perturbed, tiny_model, word_tokenizer
-from transformers.cli.serve import Serve
 
-from hf_dynspec import DynSpecConfig
 from hf_dynspec.cli import build_parser
 from hf_dynspec.commands.serve import serve_arguments
-from hf_dynspec.continuous import SpeculativeManager
 from hf_dynspec.serving import serve
 
 PROMPTS = ["w5 w6 w7 w5 w6 w7 w5 w6", "w9 w9 w3 w4 w9 w9 w3", "w11 w12", "w20 w21 w22 w20 w21 w22 w20 w21 w22 w20"]
-SERVER = {"continuous_batching": True, "device": "cpu", "dtype": "float64", "cb_num_blocks": 64,
-          "cb_max_batch_tokens": 256, "non_blocking": True, "log_level": "error"}
+SERVER = ["--continuous-batching", "--device", "cpu", "--dtype", "float64", "--cb-num-blocks", "64",
+          "--cb-max-batch-tokens", "256"]
+STATS = re.compile(r"Speculation: (\d+) requests, (\d+) draft tokens \((\d+) model-free\), (\d+) accepted")
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +49,40 @@ def draft_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_answers(model_dir):
+def plain_answers(model_dir, tmp_path_factory):
     """What plain `transformers serve` answers on the tiny model."""
     port = free_port()
-    plain = Serve(force_model=model_dir, port=port, **SERVER)
-    try:
-        wait_until_listening(port)
+    command = ["-m", "transformers.cli.transformers", "serve", model_dir, "--port", str(port), *SERVER,
+               "--log-level", "error"]
+    with server(command, port, tmp_path_factory.mktemp("plain") / "server.log"):
         expected = ask_all(port, model_dir)
-    finally:
-        plain.kill_server()
     assert all(len(text.split()) > 10 for texts in expected.values() for text in texts)
     return expected
+
+
+@contextmanager
+def server(arguments: list[str], port: int, log: Path) -> Iterator[Path]:
+    """A server run as its command line runs it (`python ARGUMENTS`), listening on `port`, its output in `log`;
+    stopped (SIGTERM, as a service manager stops it) on leaving."""
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, *arguments], stdout=output, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    try:
+        wait_until_listening(port, process, log)
+        yield log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def speculating(model_dir: str, port: int, *options: str) -> list[str]:
+    """`hf-dynspec serve` on the tiny model, logging what speculation did every 0.2 s."""
+    return ["-m", "hf_dynspec.cli", "serve", model_dir, "--port", str(port), *SERVER, *options,
+            "--log-level", "info", "--stats-interval", "0.2"]
 
 
 def free_port() -> int:
@@ -63,14 +91,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_until_listening(port: int, timeout: float = 60) -> None:
+def wait_until_listening(port: int, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
         with socket.socket() as probe:
             if probe.connect_ex(("localhost", port)) == 0:
                 return
-        time.sleep(0.1)
-    raise TimeoutError(f"no server on port {port}")
+        time.sleep(0.2)
+    raise TimeoutError(f"no server on port {port}:\n{log.read_text()[-3000:]}")
+
+
+def speculation_stats(log: Path, requests: int, timeout: float = 30) -> dict[str, int]:
+    """The figures of the server's latest speculation line, once it counts `requests` requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = STATS.findall(log.read_text())
+        if lines and int(lines[-1][0]) >= requests:
+            return dict(zip(("requests", "draft", "free", "accepted"), map(int, lines[-1])))
+        time.sleep(0.2)
+    raise AssertionError(f"no speculation line counting {requests} requests:\n{log.read_text()[-3000:]}")
 
 
 def ask_all(port: int, model: str) -> dict[str, list[str]]:
@@ -96,39 +137,30 @@ def ask_all(port: int, model: str) -> dict[str, list[str]]:
                 (("chat", chat), ("streamed", streamed), ("completions", complete))}
 
 
-def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers):
+def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers, tmp_path):
     port = free_port()
-    config = DynSpecConfig(proposer="suffix", policy="static", suffix_min_token_probability=0.0, tree_node_budget=6)
-    speculating = serve(model_dir, dynspec_config=config, port=port, **SERVER)  # suffix token trees
-    try:
-        wait_until_listening(port)
+    config = {"proposer": "suffix", "policy": "static", "suffix_min_token_probability": 0.0, "tree_node_budget": 6}
+    arguments = speculating(model_dir, port, "--dynspec-config", json.dumps(config))  # suffix token trees
+    with server(arguments, port, tmp_path / "server.log") as log:
         first = ask_all(port, model_dir)
         again = ask_all(port, model_dir)  # drafts from the first round's outputs
-        manager = speculating._generation_state._cb_manager._cb
-    finally:
-        speculating.kill_server()
+        stats = speculation_stats(log, 2 * 3 * len(PROMPTS))
     assert first == plain_answers and again == plain_answers
-    assert isinstance(manager, SpeculativeManager)
-    assert manager.speculation.requests == 2 * 3 * len(PROMPTS)
-    assert manager.speculation.accepted_tokens > 0
+    assert stats["requests"] == 2 * 3 * len(PROMPTS)
+    assert stats["accepted"] > 0 and stats["free"] == stats["draft"]
 
 
-def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_dir, plain_answers):
-    """Each request drafts each step from suffix trees or the draft model (`proposer="suffix"` with a draft)."""
+def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_dir, plain_answers, tmp_path):
+    """Each request drafts each step from suffix trees or the draft model (`--proposer suffix` with a draft)."""
     port = free_port()
-    config = {"policy": "static", "proposer": "suffix"}
-    speculating = serve(model_dir, assistant_model=draft_dir, dynspec_config=config, port=port, **SERVER)
-    try:
-        wait_until_listening(port)
+    arguments = speculating(model_dir, port, "--draft", draft_dir, "--proposer", "suffix",
+                            "--dynspec-config", '{"policy": "static"}')
+    with server(arguments, port, tmp_path / "server.log") as log:
         answers = ask_all(port, model_dir)
-        manager = speculating._generation_state._cb_manager._cb
-    finally:
-        speculating.kill_server()
+        stats = speculation_stats(log, 3 * len(PROMPTS))
     assert answers == plain_answers
-    assert isinstance(manager, SpeculativeManager)
-    assert manager.speculator.proposer.model.dtype == torch.float64
-    assert manager.speculation.accepted_tokens > 0
-    assert manager.speculation.free_tokens < manager.speculation.draft_tokens  # the draft model drafted too
+    assert stats["accepted"] > 0
+    assert stats["free"] < stats["draft"]  # the draft model drafted too
 
 
 def test_serve_command_line_maps_to_transformers_serve_options():
@@ -139,7 +171,8 @@ def test_serve_command_line_maps_to_transformers_serve_options():
     config = arguments.pop("dynspec_config")
     assert config.proposer == "suffix" and config.policy == "static" and config.num_speculative_tokens == 3
     assert arguments == {"model": "some/model", "assistant_model": None, "prompt_lookup_num_tokens": None,
-                         "continuous_batching": True, "port": 8123, "cb_num_blocks": 32, "device": "cpu"}
+                         "continuous_batching": True, "stats_interval": 10.0, "port": 8123, "cb_num_blocks": 32,
+                         "device": "cpu"}
     command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b", "--proposer", "hybrid"]
     pair = serve_arguments(build_parser().parse_args(command))
     assert pair["model"] == "qwen2.5-coder-1.5b" and pair["assistant_model"] == "qwen2.5-coder-0.5b"
@@ -151,3 +184,5 @@ def test_serve_needs_a_proposer():
         serve("some/model")
     with pytest.raises(ValueError, match="positive integer"):
         serve("some/model", prompt_lookup_num_tokens=0)
+    with pytest.raises(ValueError, match="stats_interval"):
+        serve("some/model", prompt_lookup_num_tokens=2, stats_interval=0)

@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "lookup or the draft model.")
     parser.add_argument("--dynspec-config", default=None,
                         help="DynSpecConfig as a JSON file or a JSON object (policy, num_speculative_tokens, ...).")
+    parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
+                        help="Seconds between the lines saying what speculation did, logged with --log-level info "
+                             "(default 10).")
     for flag, (_, kind, text) in SERVE_OPTIONS.items():
         parser.add_argument(flag, type=kind, default=None, help=text)
     parser.set_defaults(func=run)
@@ -76,6 +79,7 @@ def serve_arguments(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
         "dynspec_config": config,
         "continuous_batching": args.continuous_batching,
+        "stats_interval": args.stats_interval,
         **options,
     }
 
