@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
+
+from .equivalence import VERDICTS, MarginRecorder, classify
 
 DEFAULT_RATE_SHARES = (0.25, 0.5, 1.0, 2.0)
 """Default request rates, as shares of the plain manager's capacity (requests per second with every request at
@@ -174,7 +177,8 @@ def run_serve_benchmark(
     (methods rotated), on one arrival trace per rate; greedy.
 
     Returns the rates, each run's per-request metrics and speculation counts, the medians over repetitions per
-    (method, rate), and each method's token mismatches against `cb-plain` request by request.
+    (method, rate), and each method's requests against plain greedy `generate` (`equivalence`: identical, near tie,
+    mismatch; see `classify_requests`).
     """
     from transformers import ContinuousBatchingConfig
 
@@ -214,7 +218,7 @@ def run_serve_benchmark(
         "rates": rates,
         "runs": runs,
         "summary": _summary(runs, methods, rates),
-        "mismatches": _mismatches(runs),
+        "equivalence": classify_requests(model, prompts, runs, generation_config),
     }
 
 
@@ -237,15 +241,29 @@ def _summary(runs: list[dict[str, Any]], methods: list[ServeMethod], rates: list
     return rows
 
 
-def _mismatches(runs: list[dict[str, Any]]) -> dict[str, int]:
-    """Per method: requests whose tokens differ from cb-plain's for the same prompt, over every run."""
-    reference = next((r["requests"] for r in runs if r["method"] == "cb-plain"), None)
-    counts: dict[str, int] = {}
+def classify_requests(
+    model: torch.nn.Module, prompts: list[list[int]], runs: list[dict[str, Any]], generation_config: Any
+) -> dict[str, dict[str, int]]:
+    """Per method: its requests over every run, `identical`, `near_tie` or `mismatch` against plain greedy `generate`
+    of the same prompt alone (`evaluation.equivalence.classify`, with plain's margins recorded). In low precision the
+    batch a request shares changes its logits in the last bits, so `cb-plain` itself may differ from `generate` at a
+    near tie; any other difference is a mismatch."""
+    reference, margins = [], []
+    for prompt in prompts:
+        recorder = MarginRecorder()
+        ids = torch.tensor([prompt], device=model.device)  # [1, prompt]
+        with torch.no_grad():
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation_config,
+                                    logits_processor=LogitsProcessorList([recorder]))
+        reference.append(output[0, len(prompt):].tolist())
+        margins.extend(recorder.rows())
+    counts: dict[str, dict[str, int]] = {}
     for run in runs:
-        if reference is None:
-            break
-        wrong = sum(a["tokens"] != b["tokens"] for a, b in zip(run["requests"], reference))
-        counts[run["method"]] = counts.get(run["method"], 0) + wrong
+        tokens = [request["tokens"] for request in run["requests"]]
+        verdicts = classify(tokens, reference[: len(tokens)], margins[: len(tokens)], model.dtype)
+        totals = counts.setdefault(run["method"], dict.fromkeys(VERDICTS, 0))
+        for verdict in verdicts:
+            totals[verdict.verdict] += 1
     return counts
 
 
@@ -264,8 +282,9 @@ def serve_table(results: dict[str, Any]) -> str:
         ratio = f"{base / row['latency_s']:.2f}x" if base else "–"
         lines.append(f"| {row['rate']:.3f} | {row['method']} | {row['latency_s']:.2f} | {ratio} | "
                      f"{row['ttft_s']:.2f} | {1000 * row['tpot_s']:.0f} | {row['tokens_per_s']:.2f} |")
-    mismatches = ", ".join(f"{name} {count}" for name, count in results["mismatches"].items())
-    lines += ["", f"Requests whose tokens differ from cb-plain's: {mismatches}."]
+    verdicts = ", ".join(f"{name} {c['identical']} / {c['near_tie']} / {c['mismatch']}"
+                         for name, c in results["equivalence"].items())
+    lines += ["", f"Requests against plain greedy `generate`, identical / near-tie / mismatch: {verdicts}."]
     return "\n".join(lines)
 
 
