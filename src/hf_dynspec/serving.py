@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -159,10 +160,13 @@ def speculating_loads(speculation: Speculation) -> Iterator[None]:
     from transformers.cli.serving.model_manager import ModelManager
 
     original = ModelManager.load_model_and_processor
+    enabled: weakref.WeakSet = weakref.WeakSet()  # requests load the model again, and get the one loaded before
 
     def load(self, *args, **kwargs):
         model, processor = original(self, *args, **kwargs)
-        speculation.apply(model)
+        if model not in enabled:
+            speculation.apply(model)
+            enabled.add(model)
         return model, processor
 
     ModelManager.load_model_and_processor = load
