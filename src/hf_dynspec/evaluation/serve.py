@@ -218,7 +218,7 @@ def run_serve_benchmark(
         "rates": rates,
         "runs": runs,
         "summary": _summary(runs, methods, rates),
-        "equivalence": classify_requests(model, prompts, runs, generation_config),
+        "equivalence": classify_requests(model, prompts, runs, generation_config, progress),
     }
 
 
@@ -242,14 +242,18 @@ def _summary(runs: list[dict[str, Any]], methods: list[ServeMethod], rates: list
 
 
 def classify_requests(
-    model: torch.nn.Module, prompts: list[list[int]], runs: list[dict[str, Any]], generation_config: Any
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    runs: list[dict[str, Any]],
+    generation_config: Any,
+    progress: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Per method: its requests over every run, `identical`, `near_tie` or `mismatch` against plain greedy `generate`
     of the same prompt alone (`evaluation.equivalence.classify`, with plain's margins recorded). In low precision the
     batch a request shares changes its logits in the last bits, so `cb-plain` itself may differ from `generate` at a
     near tie; any other difference is a mismatch."""
     reference, margins = [], []
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="plain greedy reference", disable=not progress):
         recorder = MarginRecorder()
         ids = torch.tensor([prompt], device=model.device)  # [1, prompt]
         with torch.no_grad():
