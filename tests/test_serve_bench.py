@@ -61,7 +61,7 @@ def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
             assert 0 < request["ttft_s"] <= request["latency_s"] and len(request["tokens"]) >= 1
         if "static" in run["method"]:
             assert run["speculation"]["draft_tokens"] > 0
-    every_request = {"identical": 10, "near_tie": 0, "mismatch": 0}  # 5 requests at 2 rates
+    every_request = {"identical": 10, "near_tie": 0, "mismatch": 0, "dtype": "float32", "rows": []}  # 5 x 2 rates
     assert results["equivalence"] == {"cb-plain": every_request, "cb-lookup-static:3": every_request,
                                       "cb-suffix:4:8": every_request, "cb-suffix+draft-static:2": every_request}
     assert "| 20.000 | cb-suffix:4:8 |" in serve_table(results)
@@ -70,18 +70,21 @@ def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
 
 def test_requests_are_classified_against_plain_generate():
     """A request equal to plain `generate`'s is identical; one whose token is not within rounding of plain's best is a
-    mismatch (float32: a near tie needs a gap of a few ulps, which random logits do not give)."""
+    mismatch (float64: a near tie needs a gap of a few ulps, which random logits do not give)."""
     model = tiny_model("llama", seed=0)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
     prompts = [[3, 5, 7, 9], [4, 4, 8]]
     plain = [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in prompts]
     wrong = [plain[0][:2] + [(plain[0][2] + 1) % model.config.vocab_size] + plain[0][3:], plain[1]]
-    runs = [{"method": "cb-plain", "requests": [{"tokens": t} for t in plain]},
-            {"method": "cb-bad", "requests": [{"tokens": t} for t in wrong]}]
-    assert classify_requests(model, prompts, runs, config) == {
-        "cb-plain": {"identical": 2, "near_tie": 0, "mismatch": 0},
-        "cb-bad": {"identical": 1, "near_tie": 0, "mismatch": 1},
-    }
+    runs = [{"method": "cb-plain", "rate": 1.0, "repetition": 0, "requests": [{"tokens": t} for t in plain]},
+            {"method": "cb-bad", "rate": 1.0, "repetition": 2, "requests": [{"tokens": t} for t in wrong]}]
+    verdicts = classify_requests(model, prompts, runs, config)
+    assert verdicts["cb-plain"] == {"identical": 2, "near_tie": 0, "mismatch": 0, "dtype": "float64", "rows": []}
+    bad = verdicts["cb-bad"]
+    assert (bad["identical"], bad["near_tie"], bad["mismatch"]) == (1, 0, 1)
+    [row] = bad["rows"]  # the divergent request, where it diverged and plain's margin there
+    assert (row["rate"], row["repetition"], row["prompt"], row["position"], row["verdict"]) == (1.0, 2, 0, 2, "mismatch")
+    assert row["plain_token"] == plain[0][2] and row["margin"] > row["bound"] > 0
 
 
 def test_rates_are_requests_per_second_or_shares_of_capacity():

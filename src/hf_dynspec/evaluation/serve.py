@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
 from .equivalence import VERDICTS, MarginRecorder, classify
+from .equivalence import summarize as summarize_verdicts
 
 DEFAULT_RATE_SHARES = (0.25, 0.5, 1.0, 2.0)
 """Default request rates, as shares of the plain manager's capacity (requests per second with every request at
@@ -247,11 +248,12 @@ def classify_requests(
     runs: list[dict[str, Any]],
     generation_config: Any,
     progress: bool = False,
-) -> dict[str, dict[str, int]]:
+) -> dict[str, dict[str, Any]]:
     """Per method: its requests over every run, `identical`, `near_tie` or `mismatch` against plain greedy `generate`
-    of the same prompt alone (`evaluation.equivalence.classify`, with plain's margins recorded). In low precision the
-    batch a request shares changes its logits in the last bits, so `cb-plain` itself may differ from `generate` at a
-    near tie; any other difference is a mismatch."""
+    of the same prompt alone (`evaluation.equivalence.classify`, with plain's margins recorded), and each divergent
+    request (`rows`: its rate, repetition, prompt, first divergent position, plain's margin there and the rounding
+    bound). In low precision the batch a request shares changes its logits in the last bits, so `cb-plain` itself may
+    differ from `generate` at a near tie; any other difference is a mismatch."""
     reference, margins = [], []
     for prompt in tqdm(prompts, desc="plain greedy reference", disable=not progress):
         recorder = MarginRecorder()
@@ -261,14 +263,17 @@ def classify_requests(
                                     logits_processor=LogitsProcessorList([recorder]))
         reference.append(output[0, len(prompt):].tolist())
         margins.extend(recorder.rows())
-    counts: dict[str, dict[str, int]] = {}
+    methods: dict[str, dict[str, Any]] = {}
     for run in runs:
         tokens = [request["tokens"] for request in run["requests"]]
         verdicts = classify(tokens, reference[: len(tokens)], margins[: len(tokens)], model.dtype)
-        totals = counts.setdefault(run["method"], dict.fromkeys(VERDICTS, 0))
-        for verdict in verdicts:
-            totals[verdict.verdict] += 1
-    return counts
+        summary = summarize_verdicts(verdicts, model.dtype)
+        totals = methods.setdefault(run["method"], {**dict.fromkeys(VERDICTS, 0), "dtype": summary["dtype"], "rows": []})
+        for name in VERDICTS:
+            totals[name] += summary[name]
+        place = {key: run[key] for key in ("rate", "repetition") if key in run}
+        totals["rows"] += [{**place, **row} for row in summary["rows"]]
+    return methods
 
 
 def serve_table(results: dict[str, Any]) -> str:
