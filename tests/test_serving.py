@@ -186,3 +186,23 @@ def test_serve_needs_a_proposer():
         serve("some/model", prompt_lookup_num_tokens=0)
     with pytest.raises(ValueError, match="stats_interval"):
         serve("some/model", prompt_lookup_num_tokens=2, stats_interval=0)
+
+
+def test_a_registry_draft_loads_with_its_variant_in_the_served_dtype(monkeypatch):
+    """`--draft qwen2.5-coder-0.5b@4bit`: the registry's draft, 4-bit, computing in the served model's dtype and
+    placed on its device as it loads; a bare registry name keeps full precision."""
+    from hf_dynspec.evaluation import models
+    from hf_dynspec.serving import load_draft
+
+    loaded = []
+    monkeypatch.setattr(models, "resolve_model", lambda name: f"resolved {name}")  # no weights fetched
+    monkeypatch.setattr(models, "load_model", lambda location, options: loaded.append((location, options)) or "draft")
+    served = tiny_model("llama", seed=0, dtype=torch.bfloat16)
+    assert load_draft("qwen2.5-coder-0.5b@4bit", served) == "draft"
+    assert load_draft("qwen2.5-coder-0.5b", served) == "draft"
+    (quantized_at, quantized), (plain_at, plain) = loaded
+    assert quantized_at == plain_at == "resolved qwen2.5-coder-0.5b"
+    assert (quantized.quantization, quantized.dtype, quantized.device) == ("4bit", "bfloat16", "cpu")
+    assert (plain.quantization, plain.dtype) == ("none", "bfloat16")
+    with pytest.raises(ValueError, match="Unknown variant"):
+        load_draft("qwen2.5-coder-0.5b@3bit", served)

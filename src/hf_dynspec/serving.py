@@ -177,15 +177,17 @@ def speculating_loads(speculation: Speculation) -> Iterator[None]:
 
 
 def load_draft(name: str, model: PreTrainedModel) -> PreTrainedModel:
-    """The draft `name` (a registry name, a local folder or a Hub id) in `model`'s dtype, on its device."""
+    """The draft `name` (a registry name, a local folder or a Hub id) in `model`'s dtype, on its device. A registry
+    name may end in a variant (`qwen2.5-coder-0.5b@4bit`: bitsandbytes 4-bit, computing in `model`'s dtype)."""
     from transformers import AutoModelForCausalLM
 
-    from .evaluation.models import REGISTRY, load_model, resolve_model
+    from .evaluation.models import REGISTRY, LoadOptions, load_model, resolve_model, split_variant
 
-    if name in REGISTRY:
-        draft = load_model(resolve_model(name), model.dtype)
-    else:
-        draft = AutoModelForCausalLM.from_pretrained(name, dtype=model.dtype)
+    base, variant = split_variant(name)
+    if base in REGISTRY:  # placed on the model's device as it loads (bitsandbytes models cannot move afterwards)
+        options = LoadOptions(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
+        return load_model(resolve_model(base), options.with_variant(variant))
+    draft = AutoModelForCausalLM.from_pretrained(name, dtype=model.dtype)
     return draft.to(model.device).eval()
 
 

@@ -5,7 +5,8 @@
     hf-dynspec serve [MODEL] --continuous-batching --prompt-lookup-num-tokens 4
 
 MODEL defaults to the default target (`qwen2.5-coder-1.5b`, from its pip packages), DRAFT (a draft model) to
-nothing: `--draft qwen2.5-coder-0.5b` serves the default pair. Any model `transformers serve` takes works too.
+nothing: `--draft qwen2.5-coder-0.5b` serves the default pair, `--draft qwen2.5-coder-0.5b@4bit` with the draft's
+weights in 4 bits (bitsandbytes), which makes drafting cheap enough to pay on a CPU. Any model `transformers serve` takes works too.
 Clients talk to it as to `transformers serve`: `/v1/chat/completions`, `/v1/completions`,
 `/v1/responses`, streaming included.
 """
@@ -47,8 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="Serve with transformers' continuous batching (paged attention), where speculation is "
                              "chosen per request and step.")
     parser.add_argument("--draft", default=None, metavar="NAME",
-                        help=f"Draft model: registry name (the default pair's is {DEFAULT_DRAFT}), local folder or "
-                             "Hub id; loaded in the served model's dtype.")
+                        help=f"Draft model: registry name (the default pair's is {DEFAULT_DRAFT}; "
+                             f"{DEFAULT_DRAFT}@4bit for bitsandbytes 4-bit weights), local folder or Hub id; computing "
+                             "in the served model's dtype.")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                         help="Draft up to this many tokens a step by prompt lookup.")
     parser.add_argument("--proposer", choices=("suffix", "hybrid"), default=None,
