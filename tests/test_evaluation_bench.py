@@ -109,6 +109,11 @@ def test_draft_variants_in_method_names():
         methods.parse_method("dynspec-goodput/3bit")
     with pytest.raises(MethodError, match="uses no draft model"):
         methods.parse_method("hf-prompt-lookup/4bit")
+    hybrid = methods.parse_method("dynspec-suffix+draft/4bit")  # the variant after the modifier that brings the draft
+    assert (hybrid.name, hybrid.suffix, hybrid.uses_draft, hybrid.draft_variant) == (
+        "dynspec-suffix+draft/4bit", True, True, "4bit")
+    with pytest.raises(MethodError, match="uses no draft model"):
+        methods.parse_method("dynspec-suffix+warm/4bit")
 
 
 def test_a_draft_variant_runs_beside_the_draft_in_one_run(pair):

@@ -23,7 +23,8 @@ the method's config instead: `goodput@stepwise.draft_lookahead=0` drafts token b
 
 Any method that uses the draft model may end in `/<variant>` to run with a variant of the bench's draft instead
 (`fp32`, `bf16`, `8bit`, `4bit`, see `models.VARIANTS`): `dynspec-goodput/4bit` and `dynspec-goodput/fp32` compare a
-4-bit and a float32 draft in one run, on the same prompts.
+4-bit and a float32 draft in one run, on the same prompts; where a modifier brings the draft, the variant follows it
+(`dynspec-suffix+draft/4bit`).
 
 A `dynspec-suffix` method may end in `+draft` (per row and step, the suffix proposal or the draft model, as the policy
 decides), in `+warm` (before each timed run, the same prompts run once untimed with another seed, as an RL epoch
@@ -129,20 +130,30 @@ def _count(name: str, argument: str | None, default: int) -> int:
 
 def parse_method(name: str, policy_options: dict[str, dict[str, Any]] | None = None) -> Method:
     """The `Method` for `name` (see the module docstring for the accepted names)."""
-    from .models import VARIANTS
-
-    stem, plus, modifiers = name.strip().partition("+")
+    name = name.strip()
+    head, slash, variant = name.rpartition("/")
+    if slash and "+" in head and "+" not in variant:  # the variant after the modifiers: dynspec-suffix+draft/4bit
+        return _with_variant(name, parse_method(head, policy_options), variant)
+    stem, plus, modifiers = name.partition("+")
     if plus:
-        return _with_modifiers(name.strip(), parse_method(stem, policy_options), modifiers.split("+"))
-    stem, slash, variant = name.strip().partition("/")
+        return _with_modifiers(name, parse_method(stem, policy_options), modifiers.split("+"))
+    stem, slash, variant = name.partition("/")
     if not slash:
         return _parse_stem(name, policy_options)
+    return _with_variant(name, _parse_stem(stem, policy_options), variant)
+
+
+def _with_variant(name: str, method: Method, variant: str) -> Method:
+    """`method` drafting with the bench draft's `variant` (`/4bit`)."""
+    from .models import VARIANTS
+
     if variant not in VARIANTS:
         raise MethodError(f"In method {name!r} the draft variant after '/' must be one of {sorted(VARIANTS)}.")
-    method = _parse_stem(stem, policy_options)
     if not method.uses_draft:
-        raise MethodError(f"Method {stem!r} uses no draft model, so {name!r} has no draft to vary; drop '/{variant}'.")
-    return dataclasses.replace(method, name=name.strip(), draft_variant=variant)
+        raise MethodError(
+            f"Method {method.name!r} uses no draft model, so {name!r} has no draft to vary; drop '/{variant}'."
+        )
+    return dataclasses.replace(method, name=name, draft_variant=variant)
 
 
 def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
