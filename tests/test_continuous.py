@@ -330,6 +330,33 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_token_accepted():
     assert draft.config._attn_implementation == "eager"
 
 
+def test_caches_sized_by_memory_share_the_budget_between_target_and_draft(monkeypatch):
+    """Without `num_blocks` (as `transformers serve` runs) the paged caches are sized by memory: the target's takes
+    its share of `max_memory_percent` by key-value bytes per token, so the draft's, holding as many tokens, fits in
+    the rest. Sized alone, the target's took the whole budget and the draft's raised a MemoryError. The machine's
+    memory is replaced by the process's use plus 64 MiB."""
+    import psutil
+    from transformers.generation.continuous_batching import cache as paged
+
+    model = tiny_model("llama", seed=2)
+    total = psutil.Process().memory_info().rss + 64 * 2**20
+
+    def breakdown() -> tuple[torch.device, int, int, int]:
+        used = psutil.Process().memory_info().rss
+        return torch.device("cpu"), total, used, used
+
+    monkeypatch.setattr(paged, "get_device_and_memory_breakdown", breakdown)
+    cb = ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, max_memory_percent=0.6)
+    manager = hf_dynspec.init_continuous_batching(
+        model, perturbed(model, scale=0.0), generation_config=greedy(8), continuous_batching_config=cb,
+        dynspec_config={"policy": "static", "num_speculative_tokens": 2},
+    )
+    manager.warmup()
+    target_cache, draft_cache = manager.batch_processor.cache, manager.speculator.proposer.cache
+    assert draft_cache is not None and draft_cache.num_blocks >= target_cache.num_blocks > 0
+    assert manager.continuous_batching_config.max_memory_percent == 0.6
+
+
 @pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft", "suffix+draft"])
 def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
     """Sampled requests (temperature) speculate and follow the target's joint law of their tokens (suffix trees:

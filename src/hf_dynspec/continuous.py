@@ -985,7 +985,17 @@ class SpeculativeManager(ContinuousBatchingManager):
         return self.speculator.stats
 
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
-        processor = SpeculativeBatchProcessor.adopt(super()._create_batch_processor(), self.speculator)
+        config, draft = self.continuous_batching_config, self.speculator.proposer.model
+        budget = config.max_memory_percent
+        if draft is not None and config.num_blocks is None and budget is not None:
+            # Sized by memory, the target's cache would take the whole budget and leave the draft's (opened next,
+            # holding as many tokens) too little: the target's takes its share of the budget, the draft's the rest.
+            target, drafting = _kv_bytes_per_token(self.model), _kv_bytes_per_token(draft)
+            config.max_memory_percent = budget * target / (target + drafting)
+        try:
+            processor = SpeculativeBatchProcessor.adopt(super()._create_batch_processor(), self.speculator)
+        finally:
+            config.max_memory_percent = budget
         self.speculator.proposer.open(self)
         return processor
 
@@ -994,6 +1004,14 @@ class SpeculativeManager(ContinuousBatchingManager):
         if not self.is_running():
             self.speculator.finish_all()
             self.speculator.proposer.close()
+
+
+def _kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes the keys and values of one token take in `model`'s paged cache, over all its layers."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * heads * head_dim * model.dtype.itemsize
 
 
 def _check_attention(model: PreTrainedModel) -> None:
