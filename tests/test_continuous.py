@@ -332,9 +332,9 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_token_accepted():
 
 def test_caches_sized_by_memory_share_the_budget_between_target_and_draft(monkeypatch):
     """Without `num_blocks` (as `transformers serve` runs) the paged caches are sized by memory: the target's takes
-    its share of `max_memory_percent` by key-value bytes per token, so the draft's, holding as many tokens, fits in
-    the rest. Sized alone, the target's took the whole budget and the draft's raised a MemoryError. The machine's
-    memory is replaced by the process's use plus 64 MiB."""
+    its share of `max_memory_percent` (half, for a draft no wider per token), so the draft's, holding as many tokens,
+    fits in the rest. Sized alone, the target's took the whole budget and the draft's raised a MemoryError. The
+    machine's memory is replaced by the process's use plus 64 MiB."""
     import psutil
     from transformers.generation.continuous_batching import cache as paged
 

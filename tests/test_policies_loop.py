@@ -8,7 +8,7 @@ from conftest import perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.estimators import DraftTiming, OnlineCostModel, Profile, TargetTiming
+from hf_dynspec.estimators import DraftTiming, OnlineCostModel, Profile, ProfileCostModel, TargetTiming
 from hf_dynspec.policies import GoodputPolicy, GoodputSettings
 
 PAD, VOCAB, NEW_TOKENS = 0, 100, 24
@@ -137,17 +137,30 @@ def test_confidence_stops_drafts_early(models, prompts, eos_and_expected) -> Non
 
 
 def test_a_policy_object_keeps_learning_across_calls(models, prompts, eos_and_expected) -> None:
+    """The cost model's timings carry over: every step of both calls is observed by the same model."""
     eos, expected = eos_and_expected
     cost_model = OnlineCostModel()
-    # Without a loss budget the cost model's first exploration drafts whatever this machine's timings of the tiny
-    # models say of the draft's price (with one, a slow start may forbid it): what it learned must carry over.
-    policy = GoodputPolicy(GoodputSettings(loss_budget=None), cost_model=cost_model)
+    policy = GoodputPolicy(cost_model=cost_model)
     config = DynSpecConfig(num_speculative_tokens=6, policy="goodput")
     first = speculative(models, prompts, eos, dynspec_config=config, dynspec_policy=policy)
     assert cost_model.steps_observed == first.dynspec_stats.num_steps and cost_model.verify_samples
-    pooled_after_first = policy.acceptance.pooled_successes + policy.acceptance.pooled_failures
     second = speculative(models, prompts, eos, dynspec_config=config, dynspec_policy=policy)
     assert torch.equal(first.sequences, expected) and torch.equal(second.sequences, expected)
     assert cost_model.steps_observed == first.dynspec_stats.num_steps + second.dynspec_stats.num_steps
-    assert pooled_after_first > 0
+
+
+def test_a_policy_object_keeps_its_acceptance_across_calls(models, prompts, eos_and_expected) -> None:
+    """The pooled acceptance carries over and the per-row state is reset. The step costs are fixed (a verify costs
+    the same at any width, a draft forward nearly nothing) so that drafting pays whatever this machine's timings."""
+    eos, expected = eos_and_expected
+    flat = Profile(target_forward=[TargetTiming(1, 1, 1.0), TargetTiming(1, 512, 1.0)],
+                   draft_forward=[DraftTiming(1, 0.0001), DraftTiming(64, 0.0001)])
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None), cost_model=ProfileCostModel(flat))
+    config = DynSpecConfig(num_speculative_tokens=6, policy="goodput")
+    first = speculative(models, prompts, eos, dynspec_config=config, dynspec_policy=policy)
+    pooled_after_first = policy.acceptance.pooled_successes + policy.acceptance.pooled_failures
+    second = speculative(models, prompts, eos, dynspec_config=config, dynspec_policy=policy)
+    assert torch.equal(first.sequences, expected) and torch.equal(second.sequences, expected)
+    assert first.dynspec_stats.draft_tokens > 0 and second.dynspec_stats.draft_tokens > 0
+    assert 0 < pooled_after_first < policy.acceptance.pooled_successes + policy.acceptance.pooled_failures
     assert policy.acceptance.successes.shape[0] == prompts[0].shape[0]  # per-row state was reset for the call

@@ -256,13 +256,14 @@ class DraftModelRequests(RequestProposer):
             self._attention = current
         settings = dataclasses.replace(manager.continuous_batching_config, allow_block_sharing=False)
         text_config = self.model.config.get_text_config()
-        self.cache = PagedAttentionCache(
-            text_config, settings, self.model.device, manager.distributed_helper, dtype=self.model.dtype
+        self._keeps_logits = _supports_logits_to_keep(self.model)
+        self.cache = PagedAttentionCache(  # sized as the draft runs: the logits of the kept positions alone
+            text_config, settings, self.model.device, manager.distributed_helper, dtype=self.model.dtype,
+            model_supports_logits_to_keep=self._keeps_logits,
         )
         self.inputs = ContinuousBatchingIOs(
             self.cache, text_config, settings, self.model.device, self.model.dtype, self._processors
         )
-        self._keeps_logits = _supports_logits_to_keep(self.model)
         self._max_tokens = self.cache.max_batch_tokens
         self._max_requests = settings.max_requests_per_batch
 
@@ -988,10 +989,12 @@ class SpeculativeManager(ContinuousBatchingManager):
         config, draft = self.continuous_batching_config, self.speculator.proposer.model
         budget = config.max_memory_percent
         if draft is not None and config.num_blocks is None and budget is not None:
-            # Sized by memory, the target's cache would take the whole budget and leave the draft's (opened next,
-            # holding as many tokens) too little: the target's takes its share of the budget, the draft's the rest.
+            # Sized by memory, the target's cache would take the whole budget and leave too little for the draft's,
+            # opened next for as many tokens. A cache's footprint grows with its key-value bytes per token, and its
+            # attention masks and activations are no smaller for the draft: the target's cache takes T / (T + max(T, D))
+            # of the budget (half, for a draft no wider per token), which leaves the draft's enough of the rest.
             target, drafting = _kv_bytes_per_token(self.model), _kv_bytes_per_token(draft)
-            config.max_memory_percent = budget * target / (target + drafting)
+            config.max_memory_percent = budget * target / (target + max(target, drafting))
         try:
             processor = SpeculativeBatchProcessor.adopt(super()._create_batch_processor(), self.speculator)
         finally:
