@@ -170,6 +170,13 @@ class DynSpecConfig:
                   "its linear layers compute `sum(1 + k_i)` tokens instead of every row padded to the longest draft "
                   "(`hf_dynspec.packing`; models with SDPA attention and no sliding windows). False pads."},
     )
+    fold_attention: bool = field(
+        default=True,
+        metadata={"help": "The loop's forwards of models with grouped-query SDPA attention fold each key/value head's "
+                  "query heads into the query length, instead of copying keys and values per query head as "
+                  "transformers does for blocks of several tokens (on a CPU, blocks of up to 128 tokens; "
+                  "`hf_dynspec.attention`). False leaves attention to transformers."},
+    )
     compact_min_holes: int = field(
         default=32,
         metadata={"help": "KV-cache compaction runs only when at least this many columns could be freed."},
@@ -232,10 +239,9 @@ class DynSpecConfig:
         self._check_choice("proposer", PROPOSERS)
         if not isinstance(self.policy_options, dict):
             raise ValueError(f"`policy_options` must be a dict, got {type(self.policy_options).__name__}.")
-        if not isinstance(self.packed_verify, bool):
-            raise ValueError(f"`packed_verify` must be a bool, got {self.packed_verify!r}.")
-        if not isinstance(self.collect_step_stats, bool):
-            raise ValueError(f"`collect_step_stats` must be a bool, got {self.collect_step_stats!r}.")
+        for name in ("packed_verify", "fold_attention", "collect_step_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)

@@ -132,7 +132,7 @@ class _Run:
         self.logits_processor = logits_processor
         extra_criteria = [c for c in stopping_criteria if not _applied_by_loop(c, generation_config)]
         self.row_criteria = [c for c in extra_criteria if answers_row_by_row(c)]  # asked row by row, at once
-        self.placement = Placement.of(input_ids.device, model, draft, config.narrow_linear)
+        self.placement = Placement.of(input_ids.device, model, draft, config.narrow_linear, config.fold_attention)
         self.decisions = DecisionBroadcast.for_run(model, draft, self.placement)  # rank 0 decides when sharded
         self.do_sample = bool(generation_config.do_sample)
         eos = generation_config._eos_token_tensor

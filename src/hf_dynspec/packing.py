@@ -29,6 +29,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .attention import folded_sdpa_attention
+
 ATTENTION = "dynspec_packed"
 """Name of the packed attention function in transformers' `AttentionInterface`."""
 
@@ -41,12 +43,13 @@ class Packing:
     batch: int
     width: int
     mask: torch.Tensor  # [batch, 1, width, length + width] the loop's attention mask
+    fold: bool = True  # attention with grouped-query heads folded (`hf_dynspec.attention`)
 
     @classmethod
-    def of(cls, query_mask: torch.LongTensor, mask: torch.Tensor) -> Packing:
+    def of(cls, query_mask: torch.LongTensor, mask: torch.Tensor, fold: bool = True) -> Packing:
         """The packing of a `[batch, width]` block whose real tokens are the 1s of `query_mask`."""
         batch, width = query_mask.shape
-        return cls(query_mask.reshape(-1).nonzero().squeeze(1), batch, width, mask)
+        return cls(query_mask.reshape(-1).nonzero().squeeze(1), batch, width, mask, fold)
 
     @property
     def total(self) -> int:
@@ -78,11 +81,13 @@ _ACTIVE: list[Packing] = []
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """SDPA attention of packed queries (`[1, heads, total, dim]`) over the padded keys and values the cache returned
-    (`[batch, kv_heads, length + width, dim]`); returns `[1, total, heads, dim]` as attention functions do."""
+    (`[batch, kv_heads, length + width, dim]`), folded where `packing.fold`; returns `[1, total, heads, dim]` as
+    attention functions do."""
     packing = _ACTIVE[-1]
     kwargs.pop("sliding_window", None)  # models with sliding windows are never packed
-    output, _ = sdpa_attention_forward(module, packing.unpack_heads(query), key, value, packing.mask.to(query.device),
-                                       **kwargs)  # [batch, width, heads, dim]
+    attend = folded_sdpa_attention if packing.fold else sdpa_attention_forward
+    output, _ = attend(module, packing.unpack_heads(query), key, value, packing.mask.to(query.device),
+                       **kwargs)  # [batch, width, heads, dim]
     return packing.pack(output), None
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from .attention import folded_attention
 from .cache import RaggedCache, SlidingWindows, cache_kwarg, sliding_windows
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask, causal_visibility, windowed_attention_masks
@@ -115,6 +116,8 @@ class Placement:
     rows, padded row counts); absent: unchanged."""
     windows: dict[int, SlidingWindows | None] = field(default_factory=dict)
     """Per model (by `id`): its sliding-window attention (`cache.sliding_windows`); absent or `None`: full attention."""
+    fold_attention: bool = True
+    """Forwards of models with SDPA attention fold grouped-query heads into the query length (`hf_dynspec.attention`)."""
 
     @classmethod
     def of(
@@ -123,15 +126,17 @@ class Placement:
         target: PreTrainedModel,
         draft: PreTrainedModel | None,
         narrow_linear: str = "off",
+        fold_attention: bool = True,
     ) -> Placement:
-        """Where `target` and `draft` live; `narrow_linear` is `DynSpecConfig.narrow_linear` (see `narrow_rows`)."""
+        """Where `target` and `draft` live; `narrow_linear` and `fold_attention` are `DynSpecConfig`'s (see
+        `narrow_rows`, `hf_dynspec.attention`)."""
         devices = model_devices(target) | (model_devices(draft) if draft is not None else set()) | {loop_device}
         cuda = tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
         plans = {id(m): linear_plan(m, narrow_linear) for m in (target, draft) if m is not None}
         roles = {"target model": target, "draft model": draft}
         windows = {id(m): sliding_windows(m, role) for role, m in roles.items() if m is not None}
         draft_device = input_device(draft) if draft is not None else None
-        return cls(loop_device, input_device(target), draft_device, cuda, plans, windows)
+        return cls(loop_device, input_device(target), draft_device, cuda, plans, windows, fold_attention)
 
     @property
     def narrow_rows(self) -> dict[int, int]:
@@ -179,7 +184,8 @@ class Placement:
             position_ids=positions.to(device, non_blocking=True),
             use_cache=True,
         )
-        with narrow_linear(self.linear_plans.get(id(model), LinearPlan())), row_major_output(model):
+        plan = self.linear_plans.get(id(model), LinearPlan())
+        with narrow_linear(plan), row_major_output(model), folded_attention(model, self.fold_attention):
             if head is not None:
                 inputs[_cache_kwarg(type(head.decoder))] = cache.cache
                 hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
@@ -200,7 +206,7 @@ class Placement:
         """`forward` over the real tokens of the block alone (`hf_dynspec.packing`): `[batch, width, vocab]` logits,
         zeros on padding."""
         device = input_device(model)
-        packing = Packing.of(query_mask.to(device), _to(attention_mask, device))
+        packing = Packing.of(query_mask.to(device), _to(attention_mask, device), self.fold_attention)
         inputs = dict(input_ids=packing.pack(ids.to(device)), position_ids=packing.pack(positions.to(device)),
                       use_cache=True)  # [1, total] each
         inputs[_cache_kwarg(type(model))] = PackedCache(cache.cache, packing)
