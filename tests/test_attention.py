@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_prompts, perturbed, tiny_model
+from conftest import evaluation_script, left_padded_prompts, perturbed, tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -123,3 +123,13 @@ def test_loop_forwards_run_folded_attention_and_match_unfolded(monkeypatch, do_s
     assert 1 in widths and max(widths) > 1  # draft steps, verify forwards and the prefill were folded
     assert torch.equal(outputs[True], outputs[False])
     assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
+
+
+def test_the_probe_times_each_way_and_leaves_the_cache_as_it_found_it():
+    probe = evaluation_script("attention_fold")
+    costs = probe.layer_attention(batch=2, length=12, width=3, repeats=1, dtype=torch.float32)
+    assert set(costs) == {"copied", "shared", "folded"} and all(ms > 0 for ms in costs.values())
+    model = tiny_model("qwen2", seed=0)
+    assert all(probe.target_forward(model, batch=2, length=10, width=3, repeats=2, fold=fold) > 0
+               for fold in (False, True))
+    assert model.config._attn_implementation == "sdpa"

@@ -36,6 +36,7 @@ NON_DEFAULT = {
     "draft_vocab_size": None,
     "narrow_linear": "off",
     "packed_verify": False,
+    "fold_attention": False,
     "compact_min_holes": 9,
     "compact_hole_fraction": 0.5,
     "collect_step_stats": False,

@@ -29,6 +29,9 @@ def test_the_preset_is_trl_s_layout_and_rl_sampling():
 def test_the_loop_without_speculation_proposes_nothing():
     method = parse_method(NO_SPECULATION)
     assert method.dynspec_config.num_speculative_tokens == 0 and not method.uses_draft
+    tagged = parse_method(f"{NO_SPECULATION}@unfolded", {"nospec@unfolded": {"fold_attention": False}})
+    assert tagged.dynspec_config.num_speculative_tokens == 0 and not tagged.dynspec_config.fold_attention
+    assert method.dynspec_config.fold_attention
 
 
 def test_buckets_split_a_timeline_by_active_rows():

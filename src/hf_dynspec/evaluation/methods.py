@@ -17,7 +17,8 @@
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
 takes its options from `policy_options["goodput@profile"]` (`dynspec-hybrid@x` from `policy_options["hybrid@x"]`,
-`dynspec-tree@x:N:D` from `policy_options["tree@x"]`).
+`dynspec-tree@x:N:D` from `policy_options["tree@x"]`, `dynspec-nospec@x`'s `DynSpecConfig` fields from
+`policy_options["nospec@x"]`).
 Options named like a `DynSpecConfig` field (`draft_lookahead`, `prompt_lookup_max_tokens`, ...) set that field of
 the method's config instead: `goodput@stepwise.draft_lookahead=0` drafts token by token.
 
@@ -201,8 +202,10 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     if base == "hf-prompt-lookup":
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
         return Method(name, "hf", generate_kwargs={"prompt_lookup_num_tokens": tokens})
-    if base == NO_SPECULATION and argument is None:  # a proposer that is never asked: k = 0 in every step
-        config = DynSpecConfig(num_speculative_tokens=0, policy="static")
+    if base.partition("@")[0] == NO_SPECULATION and argument is None:  # a proposer never asked: k = 0 every step
+        tag = base.partition("@")[2]
+        _, fields = _config_fields(dict((policy_options or {}).get(f"nospec@{tag}" if tag else "nospec", {})))
+        config = DynSpecConfig(num_speculative_tokens=0, policy="static", **fields)
         return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": 1}, dynspec_config=config)
     if base == "dynspec-prompt-lookup":
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
