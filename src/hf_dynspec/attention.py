@@ -61,7 +61,8 @@ def folded_sdpa_attention(
 
     Args:
         query: `[batch, heads, width, dim]`.
-        key, value: `[batch, kv_heads, length, dim]` (the cache and this block).
+        key: `[batch, kv_heads, length, dim]` (the cache and this block).
+        value: `[batch, kv_heads, length, dim]`, as `key`.
         attention_mask: `[batch or 1, 1, width, length]` (boolean or additive) or `None`.
     """
     if not _foldable(query, key, attention_mask, dropout, kwargs):
