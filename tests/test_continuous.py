@@ -4,6 +4,7 @@ cancellation, no blocks left behind) and clear errors."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProce
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 import hf_dynspec
-from hf_dynspec import DynSpecConfig
+from hf_dynspec import DynSpecConfig, continuous
 from hf_dynspec.candidates.suffix import clear_suffix_caches
 from hf_dynspec.continuous import (
     DraftModelRequests,
@@ -24,6 +25,7 @@ from hf_dynspec.continuous import (
     SpeculativeManager,
     Speculator,
     SuffixRequests,
+    _chain_and_alternatives,
 )
 from hf_dynspec.policies.static import StaticPolicy
 
@@ -148,25 +150,39 @@ TREE_CASES = [
     ("qwen2", "suffix", "static", 4, 20, [7, 10, 5], 3, 28, 6),
     ("llama", "lookup", "static", 8, 256, [8, 12, 6], 1, 40, 8),
     ("qwen2", "lookup", "static", 4, 20, [7, 10, 5], 2, 30, 6),
+    ("llama", "draft", "static", 8, 256, [8, 12, 6], 1, 36, 8),
+    ("qwen2", "draft", "static", 4, 20, [7, 10, 5], 2, 30, 6),
+    ("llama", "draft", "goodput", 4, 256, [5, 9, 14], 2, 32, 10),
+    ("llama", "suffix+draft", "static", 8, 256, [8, 12], 3, 36, 8),
 ]
+"""The draft of `draft` and `suffix+draft` cases is the target with noise on its weights (`perturbed`, scale 0.3, so
+that its chains are often wrong and the alternatives get tried)."""
 
 
 @pytest.mark.parametrize(
     ("family", "proposer", "policy", "page", "budget", "lengths", "copies", "new", "nodes"), TREE_CASES
 )
-def test_token_trees_match_plain_generate_batch(family, proposer, policy, page, budget, lengths, copies, new, nodes):
-    """Suffix token trees (sibling requests make them branch) and prompt-lookup tries give the tokens of plain
-    `generate_batch`, with small pages and step budgets that cut trees, over two passes."""
+def test_token_trees_match_plain_generate_batch(
+    family, proposer, policy, page, budget, lengths, copies, new, nodes, monkeypatch
+):
+    """Suffix token trees (sibling requests make them branch), prompt-lookup tries and a draft model's chains with
+    their alternatives give the tokens of plain `generate_batch`, with small pages and step budgets that cut trees,
+    over two passes."""
     model = tiny_model(family, seed=0)
     prompts = repetitive_prompts(lengths, seed=len(lengths) + copies, copies=copies)
     config = greedy(new)
     expected = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(page))
     clear_suffix_caches(model)
-    lookup = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
-    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if proposer == "suffix" else "auto",
+    kwargs = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
+    if "draft" in proposer:
+        kwargs = {"assistant_model": perturbed(model, scale=0.3, seed=3)}
+    moved = []
+    copy = continuous._copy_positions
+    monkeypatch.setattr(continuous, "_copy_positions", lambda cache, moves: moved.extend(moves) or copy(cache, moves))
+    spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if "suffix" in proposer else "auto",
                          tree_node_budget=nodes)
     manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
-                          dynspec_config=spec, **lookup)
+                          dynspec_config=spec, **kwargs)
     try:
         for attempt in range(2):
             got = list(run(manager, prompts, new).values())
@@ -174,7 +190,52 @@ def test_token_trees_match_plain_generate_batch(family, proposer, policy, page, 
                 assert have == want.generated_tokens, f"pass {attempt}, request {row}"
     finally:
         manager.stop(block=True)
-    assert manager.speculation.accepted_tokens > 0, manager.speculation
+    if proposer != "draft" or policy == "static":  # goodput prices a tiny draft model by its timed forwards
+        assert manager.speculation.accepted_tokens > 0, manager.speculation
+    if "draft" in proposer and policy == "static":  # the target took the draft's alternatives (off its chain)
+        assert moved, "no accepted node off the first branch"
+
+
+def test_a_draft_tree_is_the_chain_and_its_most_valuable_alternatives():
+    """`_chain_and_alternatives`: the chain first (each node the child of the one before), then the other tokens of
+    each depth as children of the chain's node above, the most valuable paths within the budget, parents first."""
+    log = math.log
+    depths = [([5, 6, 7], [log(0.6), log(0.3), log(0.1)]), ([8, 9, 2], [log(0.9), log(0.05), log(0.05)])]
+    assert _chain_and_alternatives(depths, 2, 0.0) == ([5, 8], [0, 1])
+    # alternatives: 6 at depth 1 (0.3), 7 (0.1), then 9 and 2 below 5 (0.6 x 0.05 = 0.03 each)
+    assert _chain_and_alternatives(depths, 4, 0.0) == ([5, 8, 6, 7], [0, 1, 0, 0])
+    assert _chain_and_alternatives(depths, 9, 0.0) == ([5, 8, 6, 7, 9, 2], [0, 1, 0, 0, 1, 1])
+    assert _chain_and_alternatives(depths, 9, 0.2) == ([5, 8, 6], [0, 1, 0])  # paths below the floor stay out
+    assert _chain_and_alternatives([], 4, 0.0) == ([], [])
+
+
+def test_a_draft_model_tree_costs_the_forwards_of_its_chain():
+    """`DraftModelRequests.trees`: its chain is the draft's chain (`drafts`), its other nodes the draft's runner-up
+    tokens at each depth, and it runs as many draft forwards as the chain."""
+    draft = tiny_model("llama", seed=4)
+    prompts = repetitive_prompts([7, 11], seed=2)
+    manager = speculating(tiny_model("llama", seed=0), assistant_model=draft, generation_config=greedy(8), cb=cb_config())
+    manager.stop(block=True)
+    proposer = DraftModelRequests(draft, branching=3)
+    proposer.open(manager)
+    calls = []
+    forward = proposer._packed_forward
+    proposer._packed_forward = lambda feeds: calls.append(len(feeds)) or forward(feeds)
+    requests = [DraftRequest(str(i), prompt, 4) for i, prompt in enumerate(prompts)]
+    for i, prompt in enumerate(prompts):
+        proposer.start(str(i), prompt)
+    chains = proposer.drafts(requests, [3, 2])
+    chain_forwards = len(calls)
+    for i, prompt in enumerate(prompts):  # the same requests from scratch
+        proposer.finish(str(i), None)
+        proposer.start(str(i), prompt)
+    trees = proposer.trees(requests, [3, 2], [7, 2])
+    assert len(calls) == 2 * chain_forwards
+    (tokens, parents), (short, short_parents) = trees
+    assert tokens[:3] == chains[0] and parents[:3] == [0, 1, 2] and len(tokens) == 7
+    assert all(p < 3 for p in parents[3:]) and len(set(zip(tokens[3:], parents[3:]))) == 4  # distinct leaves
+    assert (short, short_parents) == (chains[1], [0, 1])  # a budget of its depth: the chain alone
+    proposer.close()
 
 
 def test_a_lookup_tree_holds_every_continuation_of_the_final_ngram():
@@ -205,7 +266,7 @@ class SecondBranchTrees(ModelFreeRequests):
     def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
         return self._continuation(tokens)[:max_tokens], 1, None
 
-    def trees(self, requests: list[DraftRequest], depths: list[int], budgets: list[int]):
+    def trees(self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows=None):
         trees = []
         for request, depth in zip(requests, depths):
             truth = self._continuation(request.tokens)[:depth]
@@ -357,7 +418,7 @@ def test_caches_sized_by_memory_share_the_budget_between_target_and_draft(monkey
     assert manager.continuous_batching_config.max_memory_percent == 0.6
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft", "suffix+draft"])
+@pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft", "draft-tree", "suffix+draft"])
 def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
     """Sampled requests (temperature) speculate and follow the target's joint law of their tokens (suffix trees:
     through multi-draft rejection sampling)."""
@@ -372,9 +433,9 @@ def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa
                               top_p=None, eos_token_id=None, pad_token_id=0)
     kwargs = {"lookup": {"prompt_lookup_num_tokens": 3}}.get(proposer, {})
     kwargs = {"assistant_model": draft} if "draft" in proposer else kwargs
-    source = "auto" if proposer in ("lookup", "draft") else "suffix"
+    source = "auto" if proposer in ("lookup", "draft", "draft-tree") else "suffix"
     spec = DynSpecConfig(num_speculative_tokens=3, policy="static", proposer=source,
-                         suffix_min_token_probability=0.0, tree_node_budget=6 if proposer == "suffix-tree" else 0)
+                         suffix_min_token_probability=0.0, tree_node_budget=6 if proposer.endswith("tree") else 0)
     cb = cb_config(page_size=16, num_blocks=512, max_batch_tokens=2048, max_requests_per_batch=256)
     manager = speculating(target, generation_config=config, cb=cb, dynspec_config=spec, **kwargs)
     samples: dict[int, torch.Tensor] = {}
@@ -416,9 +477,6 @@ def test_requests_that_cannot_speculate_get_clear_errors():
         hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "hybrid"})
     with pytest.raises(ValueError, match="positive integer"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=0, generation_config=config)
-    with pytest.raises(ValueError, match="token trees come from suffix trees or prompt lookup"):
-        hf_dynspec.init_continuous_batching(model, tiny_model("llama", seed=2), generation_config=config,
-                                            dynspec_config={"tree_node_budget": 4})
     flash = tiny_model("llama", seed=2)
     flash.config._attn_implementation = "paged|flash_attention_2"
     with pytest.raises(ValueError, match="takes a mask"):

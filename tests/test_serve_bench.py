@@ -31,11 +31,13 @@ def test_serve_method_names():
     assert ServeMethod.parse("cb-lookup-static:3") == ServeMethod("cb-lookup-static:3", "lookup", "static", 3)
     assert ServeMethod.parse("cb-draft-static:2") == ServeMethod("cb-draft-static:2", "draft", "static", 2)
     assert ServeMethod.parse("cb-suffix:3:8") == ServeMethod("cb-suffix:3:8", "suffix", "goodput", 3, 8)
+    assert ServeMethod.parse("cb-draft-static:3:6") == ServeMethod("cb-draft-static:3:6", "draft", "static", 3, 6)
+    assert ServeMethod.parse("cb-suffix+draft:3:8").tree_nodes == 8
     hybrid = ServeMethod.parse("cb-suffix+draft-static:3")
     assert hybrid == ServeMethod("cb-suffix+draft-static:3", "suffix+draft", "static", 3) and hybrid.needs_draft
     assert not ServeMethod.parse("cb-suffix").needs_draft and ServeMethod.parse("cb-draft").needs_draft
-    bad_names = ("cb-model", "cb-suffix-fast", "cb-lookup:0", "plain", "cb-lookup:3:4", "cb-suffix:3:0",
-                 "cb-suffix+draft:3:8")
+    bad_names = ("cb-model", "cb-suffix-fast", "cb-lookup:0", "plain", "cb-lookup:3:4:5", "cb-suffix:3:0",
+                 "cb-draft:x")
     for bad in bad_names:
         with pytest.raises(ValueError, match="(?i)serve method"):
             ServeMethod.parse(bad)

@@ -68,7 +68,8 @@ class DynSpecConfig:
     )
     tree_branching: int = field(
         default=2,
-        metadata={"help": "Draft-model trees: children of each expanded node, and nodes expanded per depth."},
+        metadata={"help": "Draft-model trees: children of each expanded node, and nodes expanded per depth (under "
+                  "continuous batching only the chain's nodes are expanded)."},
     )
     tree_stop_judges: str = field(
         default="best",
@@ -82,7 +83,8 @@ class DynSpecConfig:
         metadata={"help": "Draft-model trees in greedy decoding: a node is proposed only if the draft's probability of "
                   "its whole path is at least this (each row keeps its most valuable node). Such nodes are rarely "
                   "the target's choice, and every proposed node widens the verify forward. 0 keeps the node budget's "
-                  "most valuable nodes whatever their probability."},
+                  "most valuable nodes whatever their probability. Under continuous batching, where a draft "
+                  "model's nodes are its most likely tokens in sampling too, it applies to both."},
     )
     prompt_lookup_max_ngram: int = field(
         default=3,

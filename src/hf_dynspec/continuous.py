@@ -18,9 +18,10 @@ over a paged KV cache. Speculation enters at three seams of that engine, and now
 - the request's position then moves back over its rejected positions, which the next step overwrites in the paged
   cache. Blocks registered for prefix sharing are counted over the accepted positions only.
 
-Suffix and prompt-lookup proposals may be token trees: a tree's nodes are the request's query (parents first), its
-block of the step's attention mask is rewritten so that each node sees its ancestors alone, at its depth's position,
-and the accepted nodes' keys and values are copied to their path's positions after verification.
+Proposals may be token trees (suffix trees, prompt-lookup tries, a draft model's chain with its runner-up tokens): a
+tree's nodes are the request's query (parents first), its block of the step's attention mask is rewritten so that each
+node sees its ancestors alone, at its depth's position, and the accepted nodes' keys and values are copied to their
+path's positions after verification.
 
 Requests without a draft go through transformers' own update, unchanged, so a step in which no request drafts is
 exactly a plain continuous-batching step. What this module relies on of transformers' internals lives here alone.
@@ -29,6 +30,7 @@ exactly a plain continuous-batching step. What this module relies on of transfor
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -108,10 +110,11 @@ class RequestProposer(ABC):
         `free_rows` requests from its model-free offer, the others from its draft model."""
 
     def trees(
-        self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows: list[bool] | None = None
     ) -> list[tuple[list[int], list[int]]]:
         """Each request's token tree of at most `budgets[i]` nodes and depth `depths[i]`: its tokens and their parent
-        nodes (node 0 is the request's newest token), parents before children."""
+        nodes (node 0 is the request's newest token), parents before children; a hybrid serves the `free_rows`
+        requests from its model-free proposer."""
         raise NotImplementedError(f"{type(self).__name__} drafts chains, not token trees.")
 
 
@@ -156,7 +159,7 @@ class LookupRequests(ModelFreeRequests):
         return found.tolist(), anchor, None
 
     def trees(
-        self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows: list[bool] | None = None
     ) -> list[tuple[list[int], list[int]]]:
         """Each request's prompt-lookup trie (`candidates.trie.lookup_trie`: every continuation of every earlier
         occurrence of its final n-gram) of at most `budgets[i]` nodes and depth `depths[i]`."""
@@ -193,7 +196,7 @@ class SuffixRequests(ModelFreeRequests):
         return list(draft.token_ids), int(draft.match_len), chain_confidence(draft.probs)
 
     def trees(
-        self, requests: list[DraftRequest], depths: list[int], budgets: list[int]
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows: list[bool] | None = None
     ) -> list[tuple[list[int], list[int]]]:
         """Each request's suffix tree of at most `budgets[i]` nodes cut at depth `depths[i]`: its tokens and their
         parents (node 0 is the request's newest token, the tree's root), parents before children."""
@@ -237,10 +240,15 @@ class DraftModelRequests(RequestProposer):
     most likely tokens: greedy verification matches them, rejection sampling takes them as a deterministic proposal.
     Positions the target rejected are rewritten when the draft next catches up; a backlog wider than
     `MAX_INLINE_TAIL` is caught up in a forward of its own, timed apart (`catchup_seconds`), as in `generate`.
+
+    Its token trees (`trees`) cost the draft no more forwards than its chain: the chain, and at each depth up to
+    `branching - 1` of the draft's next most likely tokens as leaves (`_chain_and_alternatives`).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, branching: int = 2, min_node_probability: float = 0.0) -> None:
         self.model = model
+        self.branching = branching  # a tree's children of each chain node: the chain's token and its runner-ups
+        self.min_node_probability = min_node_probability  # a tree's leaves need at least this path probability
         self.cache: PagedAttentionCache | None = None
         self.inputs: ContinuousBatchingIOs | None = None
         self._processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())
@@ -289,10 +297,25 @@ class DraftModelRequests(RequestProposer):
         seen = self._sequences[request.request_id].seen
         return len(request.tokens) - _common_prefix(seen, request.tokens)
 
-    @torch.no_grad()
     def drafts(
         self, requests: list[DraftRequest], lengths: list[int], free_rows: list[bool] | None = None
     ) -> list[list[int]]:
+        return [[tokens[0] for tokens, _ in depths] for depths in self._draft(requests, lengths, 1)]
+
+    def trees(
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows: list[bool] | None = None
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each request's chain of depth `depths[i]` and, up to `budgets[i]` nodes, its most valuable alternatives
+        (`_chain_and_alternatives`)."""
+        drafted = self._draft(requests, depths, self.branching)
+        return [_chain_and_alternatives(d, budget, self.min_node_probability) for d, budget in zip(drafted, budgets)]
+
+    @torch.no_grad()
+    def _draft(
+        self, requests: list[DraftRequest], lengths: list[int], width: int
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Each request's chain of `lengths[i]` draft tokens, depth by depth: the draft's `width` most likely tokens
+        there, most likely first (it continues the chain), with their log-probabilities (zeros for `width` 1)."""
         self.catchup_seconds, self.catchup_tokens = 0.0, 0
         wanted = {r.request_id: n for r, n in zip(requests, lengths) if n > 0 and self.cache is not None}
         drafting = [r for r in requests if r.request_id in wanted]
@@ -300,15 +323,20 @@ class DraftModelRequests(RequestProposer):
             seen = self._sequences[request.request_id].seen
             del seen[_common_prefix(seen, request.tokens) :]  # positions the target rejected are rewritten
         self._catch_up([r for r in drafting if self._backlog(r) > MAX_INLINE_TAIL])
-        drafted: dict[str, list[int]] = {r.request_id: [] for r in drafting}
+        drafted: dict[str, list[tuple[list[int], list[float]]]] = {r.request_id: [] for r in drafting}
         feeds = [(r.request_id, self._unseen(r)) for r in drafting if self._backlog(r) <= MAX_INLINE_TAIL]
         while feeds:
             feeds = [(request_id, tokens) for request_id, tokens in feeds if self._fits(request_id, len(tokens))]
             if not feeds:
                 break
-            for (request_id, _), token in zip(feeds, self._forward(feeds).argmax(-1).tolist()):
-                drafted[request_id].append(token)
-            feeds = [(i, drafted[i][-1:]) for i, _ in feeds if len(drafted[i]) < wanted[i]]
+            logits = self._forward(feeds)  # [fed requests, vocab]
+            if width == 1:
+                tokens, log_probs = logits.argmax(-1, keepdim=True), torch.zeros(len(feeds), 1)  # [fed requests, 1]
+            else:
+                log_probs, tokens = torch.log_softmax(logits.float(), dim=-1).topk(width, dim=-1)  # [fed, width]
+            for (request_id, _), top, logs in zip(feeds, tokens.tolist(), log_probs.tolist()):
+                drafted[request_id].append((top, logs))
+            feeds = [(i, drafted[i][-1][0][:1]) for i, _ in feeds if len(drafted[i]) < wanted[i]]
         return [drafted.get(r.request_id, []) for r in requests]
 
     def _unseen(self, request: DraftRequest) -> list[int]:
@@ -411,6 +439,36 @@ class HybridRequests(RequestProposer):
         by_draft = self.draft.drafts(requests, [0 if free else n for free, n in zip(free_rows, lengths)])
         self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
         return [offer if free else drafted for free, offer, drafted in zip(free_rows, offers, by_draft)]
+
+    def trees(
+        self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows: list[bool] | None = None
+    ) -> list[tuple[list[int], list[int]]]:
+        free_rows = free_rows if free_rows is not None else [False] * len(requests)
+        offers = self.free.trees(requests, [n if free else 0 for free, n in zip(free_rows, depths)], budgets)
+        by_draft = self.draft.trees(requests, [0 if free else n for free, n in zip(free_rows, depths)], budgets)
+        self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
+        return [offer if free else drafted for free, offer, drafted in zip(free_rows, offers, by_draft)]
+
+
+def _chain_and_alternatives(
+    depths: list[tuple[list[int], list[float]]], budget: int, min_probability: float
+) -> tuple[list[int], list[int]]:
+    """A draft model's token tree from its chain's forwards (`depths`: at each depth the draft's most likely tokens
+    and their log-probabilities, the chain's first): the chain, then of the other tokens at each depth (children of
+    the chain's node above, leaves) the most valuable by the draft's probability of their path, up to `budget` nodes
+    in all and none below `min_probability`. Tokens and parent nodes (node 0 is the request's newest token); the chain
+    comes first, so a cut by the scheduler keeps it. Deeper nodes would need forwards over the branches, which on the
+    CPUs this package is measured on cost as much as the chain's (a draft forward is most of a step's price)."""
+    chain = [tokens[0] for tokens, _ in depths]
+    above = 0.0  # log draft probability of the chain down to the node above this depth
+    alternatives = []  # (path log-probability, depth, token)
+    for depth, (tokens, log_probs) in enumerate(depths, 1):
+        alternatives.extend((above + lp, depth, token) for token, lp in zip(tokens[1:], log_probs[1:]))
+        above += log_probs[0]
+    floor = math.log(min_probability) if min_probability > 0 else -math.inf
+    kept = [a for a in sorted(alternatives, key=lambda a: -a[0]) if a[0] >= floor][: max(0, budget - len(chain))]
+    kept.sort(key=lambda a: a[1])
+    return chain + [token for _, _, token in kept], list(range(len(chain))) + [depth - 1 for _, depth, _ in kept]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -580,7 +638,7 @@ class Speculator:
             return [(draft[:length], None) for draft, length in zip(drafts, lengths)]
         budgets = self.policy.node_budgets(request, torch.tensor(lengths, dtype=torch.long))  # [decoding requests]
         budgets = [min(max(int(b), 1), self.max_tree_nodes) if n > 0 else 0 for b, n in zip(budgets.tolist(), lengths)]
-        return self.proposer.trees(requests, lengths, budgets)
+        return self.proposer.trees(requests, lengths, budgets, free)
 
     def _slot(self, state: RequestState) -> int:
         if state.request_id not in self._slots:
@@ -1109,12 +1167,6 @@ def _request_proposer(
     assistant_model: PreTrainedModel | None,
 ) -> tuple[RequestProposer, int]:
     """The proposer the arguments ask for, and the most draft tokens a request proposes in a step."""
-    if config.tree_node_budget and assistant_model is not None:
-        raise ValueError(
-            "Under continuous batching token trees come from suffix trees or prompt lookup: drop `assistant_model` "
-            "(DynSpecConfig(proposer='suffix', tree_node_budget=N), or `prompt_lookup_num_tokens` with it), or set "
-            "`tree_node_budget=0` for chains."
-        )
     if assistant_model is not None:
         return _draft_proposer(model, config, prompt_lookup_num_tokens, assistant_model), config.num_speculative_tokens
     if config.proposer == "suffix":
@@ -1157,7 +1209,7 @@ def _draft_proposer(
     check_vocabularies(model, assistant_model)
     _check_attention(assistant_model)
     _paged_implementation(assistant_model)
-    draft = DraftModelRequests(assistant_model)
+    draft = DraftModelRequests(assistant_model, config.tree_branching, config.tree_min_node_probability)
     if config.proposer == "auto" or config.num_speculative_tokens == 0:
         return draft
     if config.proposer == "suffix":

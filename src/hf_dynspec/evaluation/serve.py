@@ -9,7 +9,8 @@ plain continuous batching (`cb-plain`, `model.init_continuous_batching`), or a s
   (up to N tokens), draft lengths from the goodput policy;
 - `cb-draft-static:K`, `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting
   up to K tokens;
-- `cb-suffix[-static]:K:N`: suffix token trees of up to N nodes, K deep;
+- `cb-<proposer>[-static]:K:N`: token trees of up to N nodes, K deep (suffix trees, lookup tries, a draft model's
+  chain with its runner-up tokens);
 - `cb-suffix+draft[-static][:K]`: per request and step, suffix trees or the draft model, as the policy decides.
 
 Per request: latency (arrival to last token), time to first token, time per output token after the first. Per run:
@@ -49,12 +50,12 @@ class ServeMethod:
     proposer: str | None = None  # "draft", "suffix", "lookup" or "suffix+draft"; None: plain
     policy: str = "goodput"
     tokens: int = 4  # most draft tokens a request proposes in a step (a tree's depth)
-    tree_nodes: int = 0  # suffix token trees of at most this many nodes; 0: chains
+    tree_nodes: int = 0  # token trees of at most this many nodes; 0: chains
 
     @classmethod
     def parse(cls, name: str) -> ServeMethod:
-        """`cb-plain`, or `cb-<proposer>[-static][:K]` with proposer `draft`, `suffix`, `lookup` or `suffix+draft`,
-        or `cb-suffix[-static]:K:N` (trees of N nodes)."""
+        """`cb-plain`, or `cb-<proposer>[-static][:K[:N]]` with proposer `draft`, `suffix`, `lookup` or
+        `suffix+draft` (`:K:N`: trees of N nodes)."""
         if name == "cb-plain":
             return cls(name)
         base, *numbers = name.split(":")
@@ -62,10 +63,10 @@ class ServeMethod:
         proposers = ("draft", "suffix", "lookup", "suffix+draft")
         if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in proposers or (
             len(parts) == 3 and parts[2] != "static"
-        ) or len(numbers) > (2 if parts[1] == "suffix" else 1):
+        ) or len(numbers) > 2:
             raise ValueError(
                 f"Unknown serve method {name!r}: use cb-plain, or cb-draft, cb-suffix, cb-lookup or cb-suffix+draft, "
-                "each optionally with -static and :K (cb-suffix-static:4), or suffix trees of N nodes as cb-suffix:K:N."
+                "each optionally with -static and :K (cb-suffix-static:4), or trees of N nodes as cb-draft:K:N."
             )
         if any(not number.isdigit() or int(number) < 1 for number in numbers):
             raise ValueError(f"Serve method {name!r}: the numbers after ':' must be positive integers.")
