@@ -891,3 +891,23 @@ def test_search_memory_is_linear_in_the_batch_size() -> None:
         tracemalloc.stop()
     assert peak < 32 * 2**20, peak
     assert chosen.shape == (1024,) and int(chosen.max()) > 0
+
+
+def test_the_loss_budget_books_only_what_speculation_adds_to_a_forward() -> None:
+    """Under continuous batching another request's prompt chunk may share a step's forward: 1 decoding row and 63
+    prompt tokens cost 0.9 s. A step that drafts nothing is plain decoding whatever rides along (the balance does not
+    move); a drafting step is charged its draft forwards and its draft tokens' share of the verify, and credited the
+    same forward without them plus a plain step per accepted token."""
+    verify = PiecewiseLinear.fit({1: (0.2, 1), 4: (0.25, 1), 64: (0.9, 1), 67: (0.95, 1)})
+    policy = GoodputPolicy(GoodputSettings(), cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.05, 1)})))
+    policy.reset(1)
+    plain = StepFeedback(row_ids=torch.tensor([0]), requested_lengths=torch.tensor([0]),
+                         draft_lengths=torch.tensor([0]), accepted=torch.tensor([0]), draft_seconds=0.0,
+                         verify_seconds=0.9, target_tokens=64, plain_tokens=64)
+    policy.observe(plain)
+    assert policy.budget.balance == pytest.approx(0.0) and policy.budget.work == pytest.approx(0.9)
+    drafting = replace(plain, requested_lengths=torch.tensor([3]), draft_lengths=torch.tensor([3]),
+                       accepted=torch.tensor([2]), draft_seconds=0.15, verify_seconds=0.95, target_tokens=67)
+    policy.observe(drafting)
+    # credited 0.9 s (the forward without drafts) + 2 x 0.2 s; charged 0.95 s + 3 draft forwards x 0.05 s
+    assert policy.budget.balance == pytest.approx(0.9 + 2 * 0.2 - 0.95 - 3 * 0.05)

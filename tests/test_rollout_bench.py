@@ -8,7 +8,7 @@ from hf_dynspec.commands.bench import add_parser, settings_from_args
 from hf_dynspec.evaluation import bench
 from hf_dynspec.evaluation.methods import NO_SPECULATION, MethodError, parse_method
 from hf_dynspec.evaluation.plots import write_plots
-from hf_dynspec.evaluation.rollout import BUCKETS, bucket_seconds, rollout_table
+from hf_dynspec.evaluation.rollout import BUCKETS, bucket_seconds, forward_seconds, matched_seconds, rollout_table
 
 
 def test_the_preset_is_trl_s_layout_and_rl_sampling():
@@ -39,6 +39,24 @@ def test_buckets_split_a_timeline_by_active_rows():
     assert bucket_seconds(timeline) == {"8+": 2.0, "2-7": 3.0, "1": 3.0}
 
 
+def test_the_loop_without_speculation_is_priced_by_active_rows():
+    """`forward_seconds` prices that loop's later forwards by active rows (medians over calls) and its set-up and
+    prefill apart; `matched_seconds` adds up its forwards for other lengths, interpolating between row counts."""
+    calls = [
+        [(0.0, 4), (2.0, 4), (2.5, 3), (2.9, 1), (3.1, 1), (3.3, 0)],  # lengths 2, 3, 3, 5: a 2 s prefill
+        [(0.1, 4), (1.0, 3), (1.6, 2), (1.9, 0)],  # lengths 1, 2, 3, 3 (a faster 0.9 s prefill)
+    ]
+    start, by_rows = forward_seconds(calls)
+    assert start == pytest.approx(1.5)  # the median of 2.0 and 1.0
+    assert by_rows == pytest.approx({1: 0.2, 2: 0.3, 3: 0.5, 4: 0.5})  # 3 rows: the median of 0.4 and 0.6
+    # rows of 1, 3 and 4 tokens: after the prefill, forwards over 2, 2 and 1 rows
+    assert matched_seconds([1, 3, 4], start, by_rows) == pytest.approx(1.5 + 0.3 + 0.3 + 0.2)
+    assert matched_seconds([6, 6, 6, 6, 6, 6], start, {2: 0.3, 4: 0.5}) == pytest.approx(1.5 + 5 * 0.5)  # nearest
+    assert matched_seconds([2, 2, 2], start, {2: 0.3, 4: 0.5}) == pytest.approx(1.5 + 0.4)  # linear
+    with pytest.raises(ValueError, match="two forwards"):
+        forward_seconds([[(0.0, 2), (1.0, 0)]])
+
+
 def test_a_tiny_rollout_records_who_is_active_and_where_the_time_goes(tmp_path):
     settings = bench.BenchSettings(
         tiny=True, num_prompts=2, samples_per_prompt=3, batch_sizes=[6], max_new_tokens=12, repetitions=2,
@@ -62,6 +80,8 @@ def test_a_tiny_rollout_records_who_is_active_and_where_the_time_goes(tmp_path):
         assert sum(run["active_seconds"].values()) == pytest.approx(run["wall_s"], rel=0.5)
     plain_forwards = len(timelines["plain"][0]) - 1
     assert plain_forwards == runs["plain"]["target_forwards"]  # one timeline entry per forward (last repetition)
+    for run in runs.values():  # per repetition, each method against the loop without speculation at its lengths
+        assert len(run["vs_nospec_same_lengths"]) == 2 and all(ratio > 0 for ratio in run["vs_nospec_same_lengths"])
     table = rollout_table(results, NO_SPECULATION)
     assert all(f"| {name} |" in table for name in timelines) and f"vs {NO_SPECULATION}" in table
     assert any(path.name == "active_rows.png" for path in write_plots(results, tmp_path))

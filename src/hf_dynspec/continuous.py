@@ -457,8 +457,8 @@ def _chain_and_alternatives(
     and their log-probabilities, the chain's first): the chain, then of the other tokens at each depth (children of
     the chain's node above, leaves) the most valuable by the draft's probability of their path, up to `budget` nodes
     in all and none below `min_probability`. Tokens and parent nodes (node 0 is the request's newest token); the chain
-    comes first, so a cut by the scheduler keeps it. Deeper nodes would need forwards over the branches, which on the
-    CPUs this package is measured on cost as much as the chain's (a draft forward is most of a step's price)."""
+    comes first, so a cut by the scheduler keeps it. Growing the branches deeper would take a draft forward over them
+    per depth, about as dear as the chain's own (0.2-0.6 of a target step on the CPUs benchmarked)."""
     chain = [tokens[0] for tokens, _ in depths]
     above = 0.0  # log draft probability of the chain down to the node above this depth
     alternatives = []  # (path log-probability, depth, token)
@@ -712,6 +712,7 @@ class Speculator:
             catchup_seconds=self._catchup[0],
             catchup_tokens=self._catchup[1],
             free_rows=torch.tensor([row.free for row in rows]) & (drafted > 0) if self._offered else None,
+            plain_tokens=query_tokens - sum(len(row.draft) for row in rows),
         )
         self.policy.observe(feedback)
         self.stats.decode_steps += 1

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..kernels import linear_plan
 from .equivalence import classify, summarize
-from .methods import Method, parse_methods
+from .methods import NO_SPECULATION, Method, parse_methods
 from .models import (
     DTYPE_CHOICES,
     DTYPES,
@@ -35,7 +35,7 @@ from .models import (
     default_cache_dir,
     split_variant,
 )
-from .rollout import BUCKETS, bucket_seconds, median_buckets
+from .rollout import BUCKETS, bucket_seconds, forward_seconds, matched_seconds, median_buckets
 from .runner import TIME_FIELDS, Outcome, Runner
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -390,6 +390,11 @@ def run_benchmark(
         "runs": [_run_record(m, b, measured[(m.name, b)], settings) for b in settings.batch_sizes for m in methods],
         "traces": [_trace(m, b, measured[(m.name, b)]) for b in settings.batch_sizes for m in methods if m.kind == "dynspec"],
     }
+    if settings.records_timeline and NO_SPECULATION in {m.name for m in methods}:
+        for run in results["runs"]:
+            run["vs_nospec_same_lengths"] = _same_lengths_speedups(
+                measured[(NO_SPECULATION, run["batch_size"])], measured[(run["method"], run["batch_size"])]
+            )
     if settings.records_timeline:  # per method, each call's active rows over time (last repetition)
         results["timelines"] = [
             {"method": m.name, "batch_size": b, "calls": measured[(m.name, b)].outcomes[-1].timelines}
@@ -479,6 +484,21 @@ def _active_seconds(outcomes: list[Outcome]) -> dict[str, float] | None:
         calls = [bucket_seconds(timeline) for timeline in outcome.timelines]
         per_repetition.append({name: sum(call[name] for call in calls) for name in BUCKETS})
     return median_buckets(per_repetition)
+
+
+def _same_lengths_speedups(nospec: _Measured, entry: _Measured) -> list[float]:
+    """Per repetition, the seconds the loop without speculation would have taken to write this method's rows (their
+    lengths, call by call; `rollout.matched_seconds`, its forwards priced from its own repetitions) over the method's
+    seconds: its speedup over that loop at the same lengths."""
+    start, by_rows = forward_seconds([timeline for outcome in nospec.outcomes for timeline in outcome.timelines])
+    speedups = []
+    for outcome, seconds in zip(entry.outcomes, entry.seconds):
+        lengths, calls = [len(row) for row in outcome.tokens], []
+        for timeline in outcome.timelines:  # a call's rows follow the previous call's; its first forward holds them all
+            calls.append(lengths[: timeline[0][1]])
+            lengths = lengths[timeline[0][1] :]
+        speedups.append(sum(matched_seconds(call, start, by_rows) for call in calls) / seconds)
+    return speedups
 
 
 def _trace(method: Method, batch_size: int, entry: _Measured) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class StepFeedback:
     catchup_seconds: float = 0.0  # draft catch-up on a backlog (its prefill), not included in draft_seconds
     catchup_tokens: int = 0  # tokens the draft processed in that catch-up forward, padding included
     free_rows: torch.BoolTensor | None = None  # [batch] rows served by the model-free proposal (hybrid only)
+    plain_tokens: int | None = None  # the forward's tokens without draft tokens (None: one per row); under continuous
+    # batching other requests' prompt chunks ride along in the same forward
 
     @property
     def batch_size(self) -> int:

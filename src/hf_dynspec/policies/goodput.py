@@ -509,16 +509,27 @@ class GoodputPolicy(DraftLengthPolicy):
         if self.stopper is not None:
             self.stopper.observe(feedback)
         if feedback.batch_size:
-            plain = self._plain_seconds(feedback.batch_size)
-            catchup = self.catchup.seconds(feedback.catchup_tokens) if feedback.catchup_seconds > 0 else 0.0
-            spent = self._price(feedback.batch_size, proposed, free, catchup, feedback.target_tokens,
-                                self._booking_model())
-            done = plain * float((accepted + 1).double().mean())
-            self.budget.record(done, spent)
+            self.budget.record(*self._booked(feedback, proposed, accepted, free))
             if self._probing:
                 # a probe that lost against plain steps makes the next one wait twice as long (at most 64 times)
                 self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF) if spent > done else 1
                 self._probing = False
+
+    def _booked(
+        self, feedback: StepFeedback, proposed: torch.LongTensor, accepted: torch.LongTensor, free: torch.Tensor | None
+    ) -> tuple[float, float]:
+        """A step as the loss budget books it, both sides at the booking model's costs: the plain-decoding work it did
+        (the same forward without draft tokens, and a plain step for each accepted token per row) and the seconds it
+        cost. A step that drafts nothing costs exactly its work, whatever rides along (under continuous batching,
+        other requests' prompt chunks): only speculation moves the balance."""
+        batch, booked = feedback.batch_size, self._booking_model()
+        plain = self._price(batch, torch.zeros(batch, dtype=torch.long), None, 0.0, model=booked)
+        without = self._price(batch, torch.zeros(batch, dtype=torch.long), None, 0.0, feedback.plain_tokens, booked)
+        catchup = self.catchup.seconds(feedback.catchup_tokens) if feedback.catchup_seconds > 0 else 0.0
+        spent = self._price(batch, proposed, free, catchup, feedback.target_tokens, booked)
+        if not bool((proposed > 0).any()):
+            return spent, spent
+        return without + plain * float(accepted.double().mean()), spent
 
     def node_budgets(self, request: PolicyInput, lengths: torch.LongTensor) -> torch.LongTensor:
         """Tree nodes for the rows that draft: the most whose verify forward costs at most `1 + tree_slack` times a
