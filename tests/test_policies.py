@@ -911,3 +911,15 @@ def test_the_loss_budget_books_only_what_speculation_adds_to_a_forward() -> None
     policy.observe(drafting)
     # credited 0.9 s (the forward without drafts) + 2 x 0.2 s; charged 0.95 s + 3 draft forwards x 0.05 s
     assert policy.budget.balance == pytest.approx(0.9 + 2 * 0.2 - 0.95 - 3 * 0.05)
+
+
+def test_a_probe_that_lost_makes_the_next_one_wait_twice_as_long() -> None:
+    """The backoff doubles after a probe whose step cost more than the plain work it did, and resets after one that
+    paid."""
+    verify = PiecewiseLinear.fit({1: (0.2, 1), 4: (0.25, 1)})
+    policy = GoodputPolicy(GoodputSettings(), cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.05, 1)})))
+    policy.reset(1)
+    for accepted, backoff in ((0, 2), (0, 4), (3, 1)):
+        policy._probing = True
+        policy.observe(feedback([0], [3], [accepted]))
+        assert policy.probe_backoff == backoff and not policy._probing

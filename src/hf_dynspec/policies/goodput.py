@@ -509,7 +509,8 @@ class GoodputPolicy(DraftLengthPolicy):
         if self.stopper is not None:
             self.stopper.observe(feedback)
         if feedback.batch_size:
-            self.budget.record(*self._booked(feedback, proposed, accepted, free))
+            done, spent = self._booked(feedback, proposed, accepted, free)
+            self.budget.record(done, spent)
             if self._probing:
                 # a probe that lost against plain steps makes the next one wait twice as long (at most 64 times)
                 self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF) if spent > done else 1
