@@ -524,12 +524,13 @@ class GoodputPolicy(DraftLengthPolicy):
         cost. A step that drafts nothing costs exactly its work, whatever rides along (under continuous batching,
         other requests' prompt chunks): only speculation moves the balance."""
         batch, booked = feedback.batch_size, self._booking_model()
-        plain = self._price(batch, torch.zeros(batch, dtype=torch.long), None, 0.0, model=booked)
-        without = self._price(batch, torch.zeros(batch, dtype=torch.long), None, 0.0, feedback.plain_tokens, booked)
         catchup = self.catchup.seconds(feedback.catchup_tokens) if feedback.catchup_seconds > 0 else 0.0
         spent = self._price(batch, proposed, free, catchup, feedback.target_tokens, booked)
         if not bool((proposed > 0).any()):
             return spent, spent
+        zeros = torch.zeros(batch, dtype=torch.long)
+        plain = self._price(batch, zeros, None, 0.0, model=booked)
+        without = self._price(batch, zeros, None, 0.0, feedback.plain_tokens, booked)
         return without + plain * float(accepted.double().mean()), spent
 
     def node_budgets(self, request: PolicyInput, lengths: torch.LongTensor) -> torch.LongTensor:
