@@ -923,3 +923,38 @@ def test_a_probe_that_lost_makes_the_next_one_wait_twice_as_long() -> None:
         policy._probing = True
         policy.observe(feedback([0], [3], [accepted]))
         assert policy.probe_backoff == backoff and not policy._probing
+
+
+def test_a_catch_up_is_bought_at_measured_costs_not_at_stale_optimistic_ones() -> None:
+    """An RL rollout starts every call at its full batch, where drafting was measured to lose, and spends most of
+    its steps in a one-row tail, where it pays. By the next call the full batch's knots are stale: the online model
+    prices them at what the fresh (one-row) knots predict, and drafting looks as if it paid. Deciding on that, the
+    policy bought the draft's catch-up over every prompt at each call's start and lost it (0.65 s here, 1-2 s in the
+    rollout bench). Measured costs decide a step that pays a catch-up."""
+
+    def observed(batch: int, k: int, accepted: int, verify: float, draft: float) -> StepFeedback:
+        lengths = torch.full((batch,), k)
+        return StepFeedback(torch.arange(batch), lengths, lengths, torch.full((batch,), accepted), draft, verify,
+                            batch * (1 + k))
+
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None, probe_interval=0))
+    policy.reset(16)
+    policy.observe_prefill(PrefillFeedback(16, 16 * 60, 2.0, 0.33))
+    for _ in range(12):
+        policy.observe(observed(16, 0, 0, 0.26, 0.0))
+    policy.observe(observed(16, 2, 1, 0.42, 0.40))  # drafting at 16 rows, timed once
+    for _ in range(100):  # the tail: one row, every draft accepted
+        policy.observe(observed(1, 2, 2, 0.20, 0.16))
+    policy.reset(16)
+    policy.observe_prefill(PrefillFeedback(16, 16 * 60, 2.0, 0.33))
+    start = PolicyInput(step=0, row_ids=torch.arange(16), remaining_tokens=torch.full((16,), 255),
+                        max_draft_tokens=4, backlog=torch.full((16,), 60))
+    rows, caps = torch.arange(16), torch.full((16,), 4)
+    share = policy._catchup_seconds(start) / (16 * 255)
+    assert share > 0
+    acceptance = policy.acceptance.mean(rows)
+    optimistic = best_draft_lengths(acceptance, caps, 4, policy.cost_model, 0.0, share)
+    assert int(optimistic.max()) > 0  # what the stale knots say
+    assert int(policy.draft_lengths(start).max()) == 0
+    in_sync = replace(start, backlog=torch.ones(16, dtype=torch.long))  # no catch-up due: optimism may measure
+    assert int(policy.draft_lengths(in_sync).max()) > 0

@@ -751,7 +751,7 @@ class GoodputPolicy(DraftLengthPolicy):
         # the rest of the call, drafting this way then pays exactly the catch-up (a short draft is not charged for
         # the fewer, longer steps of a long one). Whether it may be paid at all is the loss budget's question.
         share = catchup / max(1.0, float(request.remaining_tokens.sum()))
-        model = costs or self.cost_model
+        model = costs or (self._catchup_model() if catchup > 0 else self.cost_model)
         if request.free_lengths is None:
             return best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share), None
         by_lookup = self._lookup_estimate(rows, z if optimistic else None)
@@ -775,7 +775,26 @@ class GoodputPolicy(DraftLengthPolicy):
             torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), longest, model, 0.0, share
         )
         options = [(lengths, torch.zeros_like(better)), (lookup_only, lookup_only > 0), (mixed, better & (mixed > 0))]
-        return max(options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, share))
+        return max(
+            options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, share, model)
+        )
+
+    def _catchup_model(self) -> StepCostModel:
+        """The costs a step that first pays the draft's catch-up is decided at: the measured ones (the booking
+        model) once the draft has been timed, else the policy's.
+
+        An online model prices knots measured once, or long ago, at what the fresh knots predict, so that a length
+        timed slow by chance is tried again: optimism that pays for itself by measuring. A catch-up measures
+        nothing, and it is the largest single price the policy weighs (at a call's start, the draft's prefill of
+        every prompt: the target's prefill times the draft's cost ratio). Decided on optimism, a batch size where
+        drafting does not pay would buy that catch-up again at every call whose knots had gone stale since the last
+        one (an RL rollout starts every call at its full batch): it would lose the catch-up and the steps that
+        measure the loss, and the loss budget it spent would be missing where drafting pays (the rollout's tail).
+        Probes stay optimistic: they are the policy's measured way of trying a length again."""
+        booked = self._booking_model()
+        if not isinstance(booked, PaddedCostModel) or booked.draft is None or booked.verify is None:
+            return self.cost_model
+        return booked
 
     def _copies(self, request: PolicyInput) -> torch.BoolTensor:
         """`[batch]` rows whose lookup continuation is a copy: anchored by at least `copy_anchor` tokens."""
@@ -798,13 +817,21 @@ class GoodputPolicy(DraftLengthPolicy):
             by_lookup = self.lookup_confidence.scale(by_lookup, sure)
         return torch.where(copying, by_copy, by_lookup)
 
-    def _rate(self, batch, option, by_draft: torch.Tensor, by_lookup: torch.Tensor, share: float) -> float:
-        """Expected tokens per second of `option` (lengths, lookup rows), with the catch-up's `share` per token when
-        a draft forward runs."""
+    def _rate(
+        self,
+        batch: int,
+        option: tuple[torch.LongTensor, torch.BoolTensor],
+        by_draft: torch.Tensor,
+        by_lookup: torch.Tensor,
+        share: float,
+        model: StepCostModel,
+    ) -> float:
+        """Expected tokens per second of `option` (lengths, lookup rows) at `model`'s costs, with the catch-up's
+        `share` per token when a draft forward runs."""
         lengths, free = option
         tokens = float(expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum())
         forwards = draft_model_forwards(lengths, free)
-        return tokens / (self._price(batch, lengths, free, 0.0) + (share * tokens if forwards else 0.0))
+        return tokens / (self._price(batch, lengths, free, 0.0, model=model) + (share * tokens if forwards else 0.0))
 
 
 def _measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
