@@ -25,8 +25,10 @@ def test_product_share_is_a_share_that_a_big_product_dominates(costs):
     model = tiny_model("llama", seed=0)
     share = costs.product_share(model, tokens=1, context=8, repeats=2)
     assert 0.0 < share < 0.5  # a tiny model's forward is mostly small operators
-    head = model.lm_head  # an output layer of 400 000 rows: one product outweighs all the rest
-    model.lm_head = torch.nn.Linear(head.in_features, 400_000, bias=False, dtype=head.weight.dtype)
+    # An output layer of 2 000 000 rows: one product outweighs all the rest, by far enough that the share stays above
+    # 0.7 while other processes load the cores (at 400 000 rows it fell to 0.49 under two busy loops).
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, 2_000_000, bias=False, dtype=head.weight.dtype)
     assert costs.product_share(model, tokens=1, context=8, repeats=2) > 0.7
 
 
