@@ -1,11 +1,13 @@
-"""How much can prompt lookup, or a token tree, add to a draft model's chain at best? Oracle schedules along the
-target's greedy output.
+"""How much can prompt lookup, suffix trees, or a token tree add to a draft model's chain at best? Oracle schedules
+along the target's greedy output.
 
 Decodes each prompt greedily with the target alone, runs the draft once over the result, and finds, by dynamic
 programming over the positions, the fastest schedule of verifies a method could choose with hindsight: chains of the
-draft model (with draft lookahead); the same, or prompt lookup alone (no draft forward); and trees of the draft's first
-`b` choices per node (`--branching`). Steps are priced with a calibration profile (`hf-dynspec calibrate`). The ratio
-to the chain bounds what a hybrid proposer, or a tree, can add.
+draft model (with draft lookahead); the same, or prompt lookup alone (no draft forward); the same, or what suffix trees
+over the text and a cache of every other prompt's output could propose right (`copy_matches`, the `suffix` proposer);
+each model-free proposer alone; and trees of the draft's first `b` choices per node (`--branching`). Steps are priced
+with a calibration profile (`hf-dynspec calibrate`). The ratio to the chain bounds what a hybrid proposer, suffix
+trees beside the draft (`proposer="suffix"` with an assistant model), or a tree can add.
 
     python evaluation/lookup_headroom.py --dataset codeedit --num-prompts 16 --max-new-tokens 256 \
         --traces /tmp/codeedit_traces.json --out docs/benchmarks/lookup_headroom_codeedit.json
@@ -19,12 +21,23 @@ shorter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from hf_dynspec.calibration import parse_int_list
+from hf_dynspec.candidates.suffix import SuffixSettings
 from hf_dynspec.estimators import Profile, ProfileCostModel
-from hf_dynspec.evaluation.headroom import GreedyTrace, OracleCosts, fastest_schedule, greedy_traces
+from hf_dynspec.evaluation.headroom import (
+    GreedyTrace,
+    OracleCosts,
+    OracleSchedule,
+    copy_matches,
+    fastest_schedule,
+    greedy_traces,
+)
 
 
 def load_traces(args: argparse.Namespace) -> list[GreedyTrace]:
@@ -46,6 +59,15 @@ def load_traces(args: argparse.Namespace) -> list[GreedyTrace]:
     return traces
 
 
+def schedule(
+    trace: GreedyTrace, copies: list[int], costs: OracleCosts, suffix: bool = False, draft: bool = True, **options
+) -> OracleSchedule:
+    """One variant's oracle schedule: suffix trees' right tokens (`copies`) in place of prompt lookup's with `suffix`,
+    no draft model without `draft`."""
+    costs = costs if draft else dataclasses.replace(costs, max_draft=0)
+    return fastest_schedule(trace, costs, free=copies if suffix else None, **options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="codeedit")
@@ -60,6 +82,9 @@ def main() -> None:
     parser.add_argument("--max-lookup", type=int, default=24, help="Most prompt-lookup tokens in one step.")
     parser.add_argument("--branching", default="", help="Comma-separated: trees of the draft's first b choices.")
     parser.add_argument("--max-nodes", type=int, default=32, help="Most tree nodes in one step.")
+    parser.add_argument("--suffix-depth", type=int, default=SuffixSettings.max_depth, help="Longest suffix match.")
+    parser.add_argument("--suffix-spec-factor", type=float, default=SuffixSettings.max_spec_factor,
+                        help="Most suffix tokens proposed per matched token.")
     parser.add_argument("--out")
     args = parser.parse_args()
     traces = load_traces(args)
@@ -70,9 +95,15 @@ def main() -> None:
     branchings = parse_int_list(args.branching, "--branching") if args.branching else []
     variants = [("draft", {}), ("draft+lookup", {"lookup": True})]
     variants += [(f"tree:top{b}", {"branching": b, "max_nodes": args.max_nodes}) for b in branchings]
+    copies = [  # suffix trees over each text and a cache holding every other prompt's output
+        copy_matches(t, args.max_lookup, [o.new for o in traces if o is not t], args.suffix_depth, args.suffix_spec_factor)
+        for t in tqdm(traces, desc="suffix matches")
+    ]
+    variants += [("lookup", {"lookup": True, "draft": False}), ("suffix", {"suffix": True, "draft": False})]
+    variants += [("draft+suffix", {"suffix": True})]
     rows = {}
     for name, options in variants:
-        schedules = [fastest_schedule(t, costs, **options) for t in traces]
+        schedules = [schedule(t, c, costs, **options) for t, c in zip(traces, copies)]
         rows[name] = {
             "seconds": sum(s.seconds for s in schedules),
             "verifies": sum(s.verifies for s in schedules),

@@ -15,6 +15,7 @@ from hf_dynspec.evaluation.headroom import (
     Disagreements,
     GreedyTrace,
     OracleCosts,
+    copy_matches,
     fastest_schedule,
     greedy_disagreements,
     greedy_traces,
@@ -171,3 +172,88 @@ def test_trees_follow_the_draft_s_runner_up_at_the_price_of_its_sibling():
     assert fastest_schedule(trace, costs, branching=2, max_nodes=8).verifies == 2  # 9 nodes are over the budget
     with pytest.raises(ValueError, match="without draft ranks"):
         fastest_schedule(GreedyTrace(prompt, trace.new, trace.agrees, trace.second), costs, branching=2)
+
+
+# ---- suffix trees with hindsight -----------------------------------------------------------------------------------
+def copies_by_every_match_length(
+    trace: GreedyTrace, max_tokens: int, earlier: list[list[int]], max_depth: int, spec_factor: float
+) -> list[int]:
+    """`copy_matches` the long way: every match length, every place the text's last tokens occur."""
+    tokens, start, out = trace.prompt + trace.new, len(trace.prompt), []
+    for n in range(len(trace.new)):
+        end, best = start + n, 0
+        truth = tokens[end : end + max_tokens]
+        for source in [tokens[:end], *earlier]:
+            for m in range(1, min(max_depth, end) + 1):
+                for q in range(m, len(source)):  # `source[q - m : q]` is the match, `source[q]` what followed it
+                    if source[q - m : q] != tokens[end - m : end]:
+                        continue
+                    right = 0
+                    while right < len(truth) and q + right < len(source) and source[q + right] == truth[right]:
+                        right += 1
+                    best = max(best, min(right, int(spec_factor * m)))
+        out.append(best)
+    return out + [0]
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("spec_factor", [0.5, 1.0, 2.0])
+def test_copy_matches_is_the_best_continuation_of_every_match(seed, spec_factor):
+    rng = random.Random(seed)
+    trace = random_trace(seed, size=rng.randrange(1, 14))
+    earlier = [[rng.randrange(6) for _ in range(rng.randrange(0, 12))] for _ in range(rng.randrange(0, 3))]
+    max_tokens, depth = rng.randrange(1, 6), rng.randrange(1, 5)
+    expected = copies_by_every_match_length(trace, max_tokens, earlier, depth, spec_factor)
+    assert copy_matches(trace, max_tokens, earlier, depth, spec_factor) == expected
+
+
+def right_along_paths(token_ids: list[int], parents: list[int], truth: list[int]) -> int:
+    """The most of `truth` a draft tree (`parents[i]`: node `i`'s parent, -1 under the root) holds as one path."""
+    depths: dict[int, int] = {}  # node -> its depth, for nodes whose whole path is right
+    for node, (token, parent) in enumerate(zip(token_ids, parents)):
+        depth = 1 if parent < 0 else depths.get(parent, -1) + 1
+        if depth >= 1 and depth <= len(truth) and token == truth[depth - 1]:
+            depths[node] = depth
+    return max(depths.values(), default=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tree", [False, True])
+def test_copy_matches_bounds_what_arctic_inference_s_suffix_trees_propose_right(seed, tree):
+    """The bound holds for the trees `proposer="suffix"` drafts from: the row's own text and a cache of earlier
+    outputs, chains and token trees, at the proposer's settings."""
+    from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings
+
+    rng = random.Random(seed)
+    settings = SuffixSettings(max_depth=6, min_token_probability=0.0)
+    trace = random_trace(seed, size=40)
+    trace.new = [rng.choice([1, 2, 3]) if rng.random() < 0.6 else t for t in trace.new]  # repetitive, so it matches
+    earlier = [trace.new[5:25], [rng.randrange(6) for _ in range(30)]]
+    cache = SuffixCache(settings)
+    for text in earlier:
+        request = cache.start([0])
+        cache.extend(request, text)
+        cache.stop(request)
+    bound = copy_matches(trace, 8, earlier, settings.max_depth, settings.max_spec_factor)
+    request, proposed_right = cache.start(trace.prompt), 0
+    for n, token in enumerate(trace.new):
+        draft = cache.speculate(request, trace.prompt + trace.new[:n], 8, tree)
+        right = right_along_paths(list(draft.token_ids), list(draft.parents), trace.new[n : n + 8])
+        assert right <= bound[n], (n, right, bound[n])
+        proposed_right += right
+        cache.extend(request, [token])
+    assert proposed_right > 0  # the cache held what came next, so the check is not vacuous
+
+
+def test_the_oracle_copies_an_earlier_output_through_suffix_trees():
+    prompt, sibling = [7, 1, 2], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    trace = GreedyTrace(prompt, [9, *sibling], [False] * 11, [False] * 11)  # writes what a sibling wrote
+    alone = fastest_schedule(trace, flat_costs(), free=copy_matches(trace, 32))
+    assert (alone.verifies, alone.lookup_steps) == (10, 0)  # nothing in its own text to copy
+    at_once = copy_matches(trace, 32, earlier=[[9, *sibling]], spec_factor=16.0)
+    assert (fastest_schedule(trace, flat_costs(), free=at_once).verifies, at_once[1]) == (1, 10)
+    growing = copy_matches(trace, 32, earlier=[[9, *sibling]])  # a token per matched token
+    assert growing[1:4] == [1, 2, 3]
+    assert fastest_schedule(trace, flat_costs(), free=growing).verifies == 3  # copies 1, 3 and the last 3 tokens
+    with pytest.raises(ValueError, match="one count per new token"):
+        fastest_schedule(trace, flat_costs(), free=[0])

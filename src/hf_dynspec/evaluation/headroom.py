@@ -8,8 +8,10 @@ long or well-timed its drafts. Where the draft's second choice is the target's t
 tree that branches in two there could still carry on.
 
 `fastest_schedule` prices that: with hindsight, the fastest schedule of steps (plain, a draft chain, prompt lookup
-alone, or a tree of the draft's first choices) along a greedy trace at a cost model's prices. Against each other, the
-oracles bound what prompt lookup or trees can add to chains on a pair of models (`evaluation/lookup_headroom.py`).
+alone, or a tree of the draft's first choices) along a greedy trace at a cost model's prices; `copy_matches` gives
+what suffix trees over the text and a cache of earlier outputs could propose right. Against each other, the oracles
+bound what prompt lookup, suffix trees or trees can add to chains on a pair of models
+(`evaluation/lookup_headroom.py`).
 """
 
 from __future__ import annotations
@@ -179,6 +181,62 @@ def _lookup_matches(trace: GreedyTrace, costs: OracleCosts) -> list[int]:
     return matches + [0]
 
 
+def copy_matches(
+    trace: GreedyTrace, max_tokens: int, earlier: Sequence[Sequence[int]] = (), max_depth: int = 24,
+    spec_factor: float = 1.0,
+) -> list[int]:
+    """`matches[n]`: with hindsight, the most target tokens after the first `n` new ones that a suffix-tree proposer
+    (`proposer="suffix"`, SuffixDecoding) could propose right, at most `max_tokens`.
+
+    Such a proposer matches the text's last tokens (at most `max_depth`) in the text so far and in the `earlier` texts
+    of its cache, and proposes what followed an occurrence of the match, at most `spec_factor` tokens per matched
+    token (arctic-inference's `max_spec_factor`). A proposal from an occurrence of the text's last token is therefore
+    at most the target tokens that followed it, and at most `spec_factor` times how many tokens before it match the
+    text's end: the best occurrence bounds chains and every path of a tree.
+    """
+    tokens = trace.prompt + trace.new
+    start, sources = len(trace.prompt), [list(text) for text in earlier]
+    indexes = [_positions(source) for source in [tokens] + sources]
+    matches = []
+    for n in range(len(trace.new)):
+        end = start + n  # the text so far is `tokens[:end]`
+        truth = tokens[end : end + max_tokens]
+        best = 0
+        for source, index, limit in zip([tokens] + sources, indexes, [end] + [len(s) for s in sources]):
+            for p in index.get(tokens[end - 1], ()) if end else ():
+                if p + 1 >= limit:  # the text's own last token, or a source's: nothing followed it yet
+                    continue
+                right = _common_prefix(source, p + 1, limit, truth)
+                if right > best:
+                    right = min(right, int(spec_factor * _common_suffix(source, p, tokens, end - 1, max_depth)))
+                    best = max(best, right)
+        matches.append(best)
+    return matches + [0]
+
+
+def _positions(tokens: Sequence[int]) -> dict[int, list[int]]:
+    index: dict[int, list[int]] = {}
+    for position, token in enumerate(tokens):
+        index.setdefault(token, []).append(position)
+    return index
+
+
+def _common_prefix(source: Sequence[int], begin: int, limit: int, truth: Sequence[int]) -> int:
+    """How many of `source[begin:limit]` are `truth`'s first tokens."""
+    count = 0
+    while count < len(truth) and begin + count < limit and source[begin + count] == truth[count]:
+        count += 1
+    return count
+
+
+def _common_suffix(source: Sequence[int], p: int, text: Sequence[int], last: int, most: int) -> int:
+    """How many tokens ending at `source[p]` equal those ending at `text[last]`, at most `most`."""
+    count = 0
+    while count < most and p - count >= 0 and last - count >= 0 and source[p - count] == text[last - count]:
+        count += 1
+    return count
+
+
 def _draft_forwards(n: int, longest: int, matches: list[int], lookahead: int) -> list[int]:
     """`forwards[k]` (k = 0..longest): draft forwards that draft the `k` tokens from position `n` on, where the draft
     agrees with the target: each forward yields its own token and as many of its lookahead guesses as hold."""
@@ -201,7 +259,8 @@ def _ranks(trace: GreedyTrace, branching: int) -> list[int]:
 
 
 def fastest_schedule(
-    trace: GreedyTrace, costs: OracleCosts, lookup: bool = False, branching: int = 1, max_nodes: int | None = None
+    trace: GreedyTrace, costs: OracleCosts, lookup: bool = False, branching: int = 1, max_nodes: int | None = None,
+    free: list[int] | None = None,
 ) -> OracleSchedule:
     """The fastest way, with hindsight, to decode `trace` in greedy steps (the prefill's token is free).
 
@@ -215,10 +274,16 @@ def fastest_schedule(
     cumulative draft probability are): a tree follows the target through a position where the target's token is the
     draft's `r`-th choice (`r < branching`) only if it also holds the `r` choices above it, so a `k`-deep path costs
     `k` plus the sum of those ranks in nodes (at most `max_nodes`), one draft forward per depth.
+
+    `free` (implies `lookup`) replaces prompt lookup's right tokens per position by another model-free proposer's,
+    e.g. `copy_matches` for suffix trees; draft lookahead still guesses by prompt lookup.
     """
     size = len(trace.new)
     ranks = _ranks(trace, branching)
     runs, matches = _agreement_runs([rank >= 0 for rank in ranks]), _lookup_matches(trace, costs)
+    if free is not None and len(free) != size + 1:
+        raise ValueError(f"`free` needs one count per new token and a final 0 ({size + 1}), got {len(free)}.")
+    lookup, free = lookup or free is not None, matches if free is None else free
     best = [0.0] * (size + 1)  # seconds from position n (n tokens emitted) to the end
     plan: list[tuple[str, int, int]] = [("end", 0, 0)] * (size + 1)  # (kind, tokens proposed, draft forwards)
     for n in range(size - 1, 0, -1):
@@ -231,7 +296,7 @@ def fastest_schedule(
                 break
             seconds = forwards * costs.draft_forward + costs.verify(nodes + 1) + best[n + k + 1]
             options.append((seconds, ("draft", k, forwards)))
-        for j in range(1, min(matches[n], costs.max_lookup, room) + 1) if lookup else ():
+        for j in range(1, min(free[n], costs.max_lookup, room) + 1) if lookup else ():
             options.append((costs.verify(j + 1) + best[n + j + 1], ("lookup", j, 0)))
         best[n], plan[n] = min(options, key=lambda option: option[0])
     return _replay(best, plan, size)
