@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -22,8 +23,9 @@ def test_rows_that_share_nothing_gain_nothing(headroom):
     prompts = [[1, 2, 3]] * 3
     rows = [list(range(100 + 30 * i, 100 + 30 * i + n)) for i, n in enumerate([20, 12, 7])]  # no token twice
     result = headroom.bound(prompts, rows, [], PRICES, SuffixSettings(), max_tokens=24)
-    assert result["verifies"] == [19, 11, 6]  # a forward per token after the prefill's
-    assert result["speedup_over_nospec_at_most"] == pytest.approx(1.0)
+    for kind in ("hindsight", "replayed"):
+        assert result[kind]["forwards"] == [19, 11, 6]  # a forward per token after the prefill's
+        assert result[kind]["speedup_over_nospec"] == pytest.approx(1.0)
 
 
 def test_siblings_and_the_epoch_before_are_copied(headroom):
@@ -31,11 +33,24 @@ def test_siblings_and_the_epoch_before_are_copied(headroom):
     shared = list(range(10, 40))
     rows = [shared, [5, *shared[:20]], list(range(200, 215))]  # the second row writes what the first did
     first = headroom.bound(prompts, rows, [], PRICES, SuffixSettings(), max_tokens=24)
-    assert first["verifies"][1] < 20 and first["verifies"][2] == 14
-    assert first["speedup_over_nospec_at_most"] > 1.0
+    assert first["hindsight"]["forwards"][1] < 20 and first["hindsight"]["forwards"][2] == 14
+    assert first["hindsight"]["speedup_over_nospec"] > 1.0
     second = headroom.bound(prompts, rows, [list(range(200, 215))], PRICES, SuffixSettings(), max_tokens=24)
-    assert second["verifies"][2] < 14  # the third row wrote what the epoch before did
-    assert second["speedup_over_nospec_at_most"] > first["speedup_over_nospec_at_most"]
+    for kind in ("hindsight", "replayed"):  # the third row wrote what the epoch before did
+        assert second[kind]["forwards"][2] < 14
+        assert second[kind]["speedup_over_nospec"] > first[kind]["speedup_over_nospec"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_trees_replayed_never_beat_the_hindsight_bound(headroom, seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5) for _ in range(rng.randrange(1, 6))] for _ in range(2) for _ in range(3)]
+    rows = [[rng.randrange(5) for _ in range(rng.randrange(1, 30))] for _ in prompts]  # 5 tokens: many matches
+    earlier = [[rng.randrange(5) for _ in range(20)] for _ in range(rng.randrange(0, 3))]
+    result = headroom.bound(prompts, rows, earlier, PRICES, SuffixSettings(max_depth=6), max_tokens=8)
+    hindsight, replayed = result["hindsight"]["forwards"], result["replayed"]["forwards"]
+    assert all(r >= h for r, h in zip(replayed, hindsight)), (replayed, hindsight)
+    assert sum(replayed) < sum(len(row) - 1 for row in rows)  # the trees did propose right tokens
 
 
 def test_sampled_rows_end_at_their_eos(headroom):
