@@ -65,7 +65,8 @@ def fewest_verifies(prompt: list[int], new: list[int], earlier: list[list[int]],
 
 def bound(prompts: list[list[int]], rows: list[list[int]], earlier: list[list[int]], by_rows: dict[int, float],
           suffix: SuffixSettings, max_tokens: int) -> dict:
-    """The bound for one rollout: `earlier` are outputs cached before it (an epoch before), besides its own rows."""
+    """One rollout's hindsight bound and arctic-inference's chains replayed on it, each as forwards per row and the
+    speedup over the loop without speculation; `earlier` are outputs cached before it (an epoch before)."""
     verifies = [
         fewest_verifies(prompt, new, [o for j, o in enumerate(rows) if j != i] + earlier, suffix, max_tokens)
         for i, (prompt, new) in enumerate(zip(prompts, rows))
@@ -75,9 +76,9 @@ def bound(prompts: list[list[int]], rows: list[list[int]], earlier: list[list[in
     nospec = matched_seconds(lengths, 0.0, by_rows)
     tail = sorted(range(len(rows)), key=lambda i: lengths[i])[-TAIL_ROWS:]
 
-    def summary(forwards: list[int]) -> dict:
+    def summary(forwards: list[int]) -> dict:  # forwards after the prefill's, per row
         return {
-            "speedup_over_nospec": nospec / matched_seconds([f + 1 for f in forwards], 0.0, by_rows),  # `f` after the prefill's
+            "speedup_over_nospec": nospec / matched_seconds([f + 1 for f in forwards], 0.0, by_rows),
             "tokens_per_forward": sum(n - 1 for n in lengths) / max(sum(forwards), 1),
             "tail_tokens_per_forward": sum(lengths[i] - 1 for i in tail) / max(sum(forwards[i] for i in tail), 1),
             "forwards": forwards,
