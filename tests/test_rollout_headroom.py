@@ -74,6 +74,11 @@ def test_prices_come_from_the_loop_s_own_forwards_or_a_profile(headroom, tmp_pat
     profile.write_text(json.dumps({"format": "hf_dynspec.profile", "version": 1, "target_forward": timings,
                                    "draft_forward": []}))
     assert headroom.one_token_prices(str(profile)) == pytest.approx({1: 1.1, 4: 1.4})
+    wide = [{"batch_size": 1, "tokens_per_row": 2, "seconds": 1.0, "samples": []}]
+    profile.write_text(json.dumps({"format": "hf_dynspec.profile", "version": 1, "target_forward": wide,
+                                   "draft_forward": []}))
+    with pytest.raises(ValueError, match="no one-token target forwards"):
+        headroom.one_token_prices(str(profile))
     (tmp_path / "other.json").write_text(json.dumps({"runs": []}))
     with pytest.raises(ValueError, match="neither a calibration profile"):
         headroom.one_token_prices(str(tmp_path / "other.json"))

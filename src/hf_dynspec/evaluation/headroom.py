@@ -215,6 +215,7 @@ def copy_matches(
 
 
 def _positions(tokens: Sequence[int]) -> dict[int, list[int]]:
+    """Each token's positions in `tokens`, ascending."""
     index: dict[int, list[int]] = {}
     for position, token in enumerate(tokens):
         index.setdefault(token, []).append(position)
