@@ -171,7 +171,8 @@ def test_serve_command_line_maps_to_transformers_serve_options():
     config = arguments.pop("dynspec_config")
     assert config.proposer == "suffix" and config.policy == "static" and config.num_speculative_tokens == 3
     assert arguments == {"model": "some/model", "assistant_model": None, "prompt_lookup_num_tokens": None,
-                         "continuous_batching": True, "stats_interval": 10.0, "port": 8123, "cb_num_blocks": 32,
+                         "continuous_batching": True, "stats_interval": 10.0, "served_model_name": None, "port": 8123,
+                         "cb_num_blocks": 32,
                          "device": "cpu"}
     command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b", "--proposer", "hybrid"]
     pair = serve_arguments(build_parser().parse_args(command))

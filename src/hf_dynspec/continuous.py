@@ -515,6 +515,7 @@ class SpeculationStats:
     """What a speculating manager did, over its whole life (`SpeculativeManager.speculation`)."""
 
     requests: int = 0  # requests that decoded
+    unfinished: int = 0  # of those, requests that left before they finished (cancelled or failed)
     steps: int = 0  # forwards
     decode_steps: int = 0  # forwards with at least one decoding request
     drafting_steps: int = 0  # forwards in which a request drafted
@@ -522,6 +523,8 @@ class SpeculationStats:
     free_tokens: int = 0  # of those, from model-free offers (all of a model-free proposer's; a hybrid's share)
     accepted_tokens: int = 0  # of those, accepted
     emitted_tokens: int = 0  # tokens decoding requests emitted (accepted ones and one per decoding request and step)
+    forward_seconds: float = 0.0  # in the steps' forwards (prompt chunks, decoding tokens and drafts verified)
+    draft_seconds: float = 0.0  # proposing drafts (a draft model's forwards and catch-ups included)
 
     @property
     def acceptance_rate(self) -> float:
@@ -616,6 +619,7 @@ class Speculator:
             self.rows[state.request_id] = row
         self._catchup = (self.proposer.catchup_seconds, self.proposer.catchup_tokens)
         self._draft_seconds = time.perf_counter() - start - self._catchup[0]
+        self.stats.draft_seconds += self._draft_seconds + self._catchup[0]
 
     def _free_rows(self, request: PolicyInput, chosen: list[int]) -> list[bool]:
         """Which decoding requests draft from a model-free offer: every one of a model-free proposer, none of a draft
@@ -653,6 +657,7 @@ class Speculator:
             state = self._known.pop(request_id)
             finished = state.status == RequestStatus.FINISHED
             self.proposer.finish(request_id, state.initial_tokens + state.generated_tokens if finished else None)
+            self.stats.unfinished += int(not finished)
             if request_id in self._slots:
                 self._free_slots.append(self._slots.pop(request_id))
         for state in active.values():
@@ -690,6 +695,7 @@ class Speculator:
         """Learn from a forward of `query_tokens` tokens over `num_requests` requests that took `seconds`: the first
         one as the policy's prefill, the others as steps of their decoding requests (`accepted` draft tokens each)."""
         self.stats.steps += 1
+        self.stats.forward_seconds += seconds
         if not self._prefilled:
             draft = self.proposer.model
             ratio = _parameter_ratio(draft, self.target) if draft is not None else None
@@ -1044,6 +1050,15 @@ class SpeculativeManager(ContinuousBatchingManager):
     def speculation(self) -> SpeculationStats:
         return self.speculator.stats
 
+    def held_blocks(self) -> dict[str, dict[str, int]]:
+        """The blocks each request holds in the target's paged cache and, with a draft model, in the draft's: by
+        cache (`"target"`, `"draft"`), by request id. Finished and cancelled requests hold none."""
+        processor, proposer = self.batch_processor, self.speculator.proposer
+        held = {"target": held_blocks(processor.cache if processor is not None else None)}
+        if proposer.model is not None:
+            held["draft"] = held_blocks(getattr(proposer, "cache", None))
+        return held
+
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         config, draft = self.continuous_batching_config, self.speculator.proposer.model
         budget = config.max_memory_percent
@@ -1066,6 +1081,16 @@ class SpeculativeManager(ContinuousBatchingManager):
         if not self.is_running():
             self.speculator.finish_all()
             self.speculator.proposer.close()
+
+
+def held_blocks(cache: PagedAttentionCache | None) -> dict[str, int]:
+    """The blocks of `cache` each request holds, by request id, over its attention types (blocks kept for prefix
+    sharing, which no request holds, are not counted)."""
+    held: dict[str, int] = {}
+    for allocator in cache.cache_allocators.values() if cache is not None else ():
+        for request_id, blocks in list(allocator.block_table.items()):  # a copy: the generation thread may add one
+            held[request_id] = held.get(request_id, 0) + len(blocks)
+    return held
 
 
 def _kv_bytes_per_token(model: PreTrainedModel) -> int:

@@ -8,6 +8,12 @@ prompt lookup or suffix trees as the policy chooses, step by step. Without `--co
 `generate` calls speculate through the same binding. From transformers 5.25 the server loads each model in a process
 of its own, from a `ModelLoader` it pickles there: `SpeculatingLoader` is that loader, enabling what it loads; with
 5.20-5.24 the model loads in the server's process (`speculating_loads`).
+
+What the server adds to `transformers serve`: every request is checked before its handler runs
+(`hf_dynspec.request_checks`: a 4xx naming the field, where transformers' handlers answer some malformed requests with a
+500 or take them silently), and from transformers 5.25 the model goes by the name it is served as (the registry name,
+or `served_model_name`), in `/v1/models`, in requests and in answers (`ServedModelManager`), and its stats lines say
+which requests hold blocks of the paged caches.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -26,10 +32,14 @@ from transformers.utils import logging
 from .config import DynSpecConfig
 from .continuous import SpeculationStats
 from .integration import enable
+from .request_checks import REQUESTED_TOKENS, Limits, RequestChecks
 
 try:  # transformers >= 5.25 loads the served model in a process of its own, through a `ModelLoader`
     from transformers.cli.serve import Serve as _Serve
+    from transformers.cli.serving.model_manager import EngineClient as _EngineClient
     from transformers.cli.serving.model_manager import ModelLoader as _ModelLoader
+    from transformers.cli.serving.model_manager import ModelManager as _ModelManager
+    from transformers.cli.serving.utils import canonical_model_id, prompt_length
 except ImportError:  # older releases (in-process loading), or no serving extras
     _ModelLoader = None
 
@@ -41,6 +51,7 @@ def serve(
     prompt_lookup_num_tokens: int | None = None,
     dynspec_config: DynSpecConfig | dict | str | None = None,
     stats_interval: float = 10.0,
+    served_model_name: str | None = None,
     **serve_options: Any,
 ):
     """Run `transformers serve model` with speculation, until the server stops (Ctrl+C or SIGTERM), as
@@ -55,8 +66,11 @@ def serve(
             loaded in the served model's dtype and device.
         prompt_lookup_num_tokens: draft up to this many tokens a step by prompt lookup.
         dynspec_config: the speculation settings; `DynSpecConfig(proposer="suffix")` drafts from suffix trees.
-        stats_interval: seconds between the lines saying what speculation did (requests, draft tokens, acceptance),
-            logged at info beside transformers' own stats lines (`log_level="info"`) while requests arrive.
+        stats_interval: seconds between the lines saying what speculation did (requests, draft tokens, acceptance)
+            and which requests hold blocks of the paged caches, logged at info beside transformers' own stats lines
+            (`log_level="info"`) when they change.
+        served_model_name: the name clients know the model by (in `/v1/models`, in requests' `model` and in
+            answers); by default `model` as given (transformers 5.25 and newer; before, the name it loads by).
         serve_options: `transformers serve`'s options by their Python names (`continuous_batching=True`, `port`,
             `device`, `dtype`, `cb_num_blocks`, `cb_max_batch_tokens`, `log_level`, ...).
     """
@@ -72,14 +86,20 @@ def serve(
         raise ValueError(f"`prompt_lookup_num_tokens` must be a positive integer, got {prompt_lookup_num_tokens!r}.")
     if not stats_interval > 0:
         raise ValueError(f"`stats_interval` must be a positive number of seconds, got {stats_interval!r}.")
-    name, eos_token_ids = served_model(model)
+    if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name.strip()):
+        raise ValueError(f"`served_model_name` must be a non-empty name, got {served_model_name!r}.")
+    location, eos_token_ids = served_model(model)
     speculation = Speculation(prompt_lookup_num_tokens, config, eos_token_ids, assistant_model, stats_interval)
     if _ModelLoader is not None:
-        return SpeculativeServe(speculation, force_model=name, **serve_options)
+        name = served_model_name or model
+        return SpeculativeServe(speculation, {name: location}, force_model=name, **serve_options)
+    if served_model_name is not None:
+        raise ValueError("`served_model_name` needs transformers 5.25 or newer: upgrade transformers, or leave it out "
+                         f"(the model is then served as {location!r}).")
     from transformers.cli.serve import Serve
 
-    with speculating_loads(speculation):
-        return Serve(force_model=name, **serve_options)
+    with speculating_loads(speculation), checked_requests():
+        return Serve(force_model=location, **serve_options)
 
 
 @dataclass(frozen=True)
@@ -104,9 +124,10 @@ class Speculation:
 
 
 def _log_speculation(model: PreTrainedModel, interval: float) -> None:
-    """Every `interval` seconds in which requests decoded, a line at info saying what the speculating managers
-    `model.init_continuous_batching` made so far did. It goes through transformers' serving logger, whose level the
-    server's `log_level` sets."""
+    """Every `interval` seconds, if they changed, two lines at info about the latest speculating manager
+    `model.init_continuous_batching` made: what it speculated so far (`speculation_line`), and which requests hold
+    blocks of its paged caches (`cache_line`). They go through transformers' serving logger, whose level the server's
+    `log_level` sets."""
     managers: list[Any] = []
     init = model.init_continuous_batching
 
@@ -122,23 +143,34 @@ def _log_speculation(model: PreTrainedModel, interval: float) -> None:
         last = None
         while True:
             time.sleep(interval)
-            stats = [manager.speculation for manager in managers if hasattr(manager, "speculation")]
-            if not stats or stats[-1] == last:
+            speculating = [manager for manager in managers if hasattr(manager, "held_blocks")]
+            if not speculating:
                 continue
-            last = replace(stats[-1])
-            logger.info(speculation_line(last))
+            lines = (speculation_line(speculating[-1].speculation), cache_line(speculating[-1].held_blocks()))
+            if lines != last:
+                for line in lines:
+                    logger.info(line)
+                last = lines
 
     threading.Thread(target=report, name="speculation-stats", daemon=True).start()
 
 
 def speculation_line(stats: SpeculationStats) -> str:
-    """What a speculating manager did, in one line."""
+    """What a speculating manager did, in one line: requests, draft tokens, acceptance, tokens per decoding step, the
+    seconds its steps spent in forwards and in drafting, and the requests that left unfinished."""
     per_step = stats.emitted_tokens / stats.decode_steps if stats.decode_steps else 0.0
     return (
         f"Speculation: {stats.requests} requests, {stats.draft_tokens} draft tokens "
         f"({stats.free_tokens} model-free), {stats.accepted_tokens} accepted ({100 * stats.acceptance_rate:.0f}%), "
-        f"{per_step:.2f} tokens per decoding step"
+        f"{per_step:.2f} tokens per decoding step, {stats.forward_seconds:.1f} s in forwards, "
+        f"{stats.draft_seconds:.1f} s drafting, {stats.unfinished} requests cancelled or failed"
     )
+
+
+def cache_line(held: dict[str, dict[str, int]]) -> str:
+    """Which requests hold blocks of each paged cache (`SpeculativeManager.held_blocks`), in one line."""
+    parts = [f"{cache} {sum(blocks.values())} blocks held by {len(blocks)} requests" for cache, blocks in held.items()]
+    return "Paged caches: " + ", ".join(parts)
 
 
 def served_model(model: str) -> tuple[str, tuple[int, ...]]:
@@ -191,37 +223,136 @@ def load_draft(name: str, model: PreTrainedModel) -> PreTrainedModel:
     return draft.to(model.device).eval()
 
 
+@contextmanager
+def checked_requests() -> Iterator[None]:
+    """While open, every app transformers' serving builds (`build_server`) checks its requests first
+    (`request_checks.RequestChecks`), against the model its manager serves. transformers' `Serve` builds its app
+    itself, from the module's `build_server`, with no hook for middleware of its own."""
+    from transformers.cli.serving import server
+
+    original = server.build_server
+
+    def build_checked(model_manager: Any, *args: Any, **kwargs: Any) -> Any:
+        app = original(model_manager, *args, **kwargs)
+        app.add_middleware(RequestChecks, limits=request_limits(model_manager))
+        return app
+
+    server.build_server = build_checked
+    try:
+        yield
+    finally:
+        server.build_server = original
+
+
+def request_limits(model_manager: Any) -> Limits:
+    """The model names a server's requests may give (the one it serves) and its context length, where its manager
+    knows it (transformers 5.25 and newer: the served model's config and `--max-model-len`)."""
+    name = model_manager.force_model
+    get_engine, state = getattr(model_manager, "get_engine", None), getattr(model_manager, "generation_state", None)
+    if get_engine is None or state is None:
+        return Limits((name,))
+    return Limits((name,), state.context_length(get_engine(None).model_config))
+
+
 if _ModelLoader is not None:  # transformers >= 5.25: the served model loads in a process of its own
 
     class SpeculatingLoader(_ModelLoader):
-        """transformers' `ModelLoader`, enabling each model it loads by `speculation`. The server pickles its loader
-        into the model's process, so that this class, not a patched method, reaches it."""
+        """transformers' `ModelLoader`, enabling each model it loads by `speculation`, and loading a model named as
+        served from where it is (`locations`: served name -> what `transformers serve` loads). The server pickles its
+        loader into the model's process, so that this class, not a patched method, reaches it."""
 
         speculation: Speculation
+        locations: dict[str, str]
 
         @classmethod
-        def adopt(cls, loader: Any, speculation: Speculation) -> SpeculatingLoader:
+        def adopt(cls, loader: Any, speculation: Speculation, locations: dict[str, str]) -> SpeculatingLoader:
             adopted = cls.__new__(cls)
             adopted.__dict__.update(vars(loader))
             adopted.speculation = speculation
+            adopted.locations = {key: location for name, location in locations.items()
+                                 for key in (name, canonical_model_id(name))}
             return adopted
 
         def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> tuple[PreTrainedModel, Any]:
-            model, processor = super().load_model_and_processor(model_id, on_progress)
+            model, processor = super().load_model_and_processor(self.locations.get(model_id, model_id), on_progress)
             self.speculation.apply(model)
             return model, processor
 
-    class SpeculativeServe(_Serve):
-        """`transformers serve` whose models load enabled: its loader becomes a `SpeculatingLoader` before it
-        serves, with one API server or several."""
+        def load_config(self, model_id: str) -> Any:
+            return super().load_config(self.locations.get(model_id, model_id))
 
-        def __init__(self, speculation: Speculation, **options: Any) -> None:
+        def load_processor(self, model_id: str) -> Any:
+            return super().load_processor(self.locations.get(model_id, model_id))
+
+    class ServedEngine(_EngineClient):
+        """transformers' `EngineClient` under the name the model is served as (`model_id`, which answers carry), which
+        fits each request to the model's context before it generates: an explicit answer length (`max_tokens`) that
+        does not fit is refused (400), a default one is shortened to what fits, and a prompt of no tokens is refused
+        (continuous batching cannot run one)."""
+
+        async def generate_non_streaming(self, inputs: dict, generation_kwargs: dict) -> tuple[str, int, list[int]]:
+            self.fit(inputs, generation_kwargs)
+            return await super().generate_non_streaming(inputs, generation_kwargs)
+
+        def generate_streaming(self, inputs: dict, generation_kwargs: dict, response_parser: Any = None) -> Any:
+            self.fit(inputs, generation_kwargs)
+            return super().generate_streaming(inputs, generation_kwargs, response_parser)
+
+        def fit(self, inputs: dict, generation_kwargs: dict) -> None:
+            """Check the request against the context; shorten a default answer length to what fits."""
+            length = prompt_length(inputs)
+            if length == 0:
+                raise ValueError("The prompt is empty once tokenized: send at least one token of text.")
+            limit = self.generation_state.context_length(self.model_config)
+            wanted = generation_kwargs.get("max_new_tokens")
+            if limit is None or wanted is None or length + wanted <= limit:
+                return
+            requested = REQUESTED_TOKENS.get()
+            if requested is None:
+                generation_kwargs["max_new_tokens"] = limit - length
+                return
+            name, value = requested
+            raise ValueError(
+                f"`{name}` is {value}, but the prompt has {length} tokens and the model takes at most {limit}, prompt "
+                f"and answer: ask for at most {limit - length} tokens, or shorten the prompt."
+            )
+
+    class ServedModelManager(_ModelManager):
+        """transformers' `ModelManager`, its model (`force_model`) named as served: `/v1/models` lists that name,
+        requests give it (another is refused), and answers carry it (`ServedEngine`)."""
+
+        def preload_engine(self, force_model: str, engine_connection: tuple | None) -> None:
+            engine = ServedEngine(force_model, self.loader, self.generation_state, connection=engine_connection)
+            self.engines[canonical_model_id(force_model)] = engine
+            if engine_connection is None:
+                engine.start()
+
+    @contextmanager
+    def served_names() -> Iterator[None]:
+        """While open, transformers' serving builds its model manager as a `ServedModelManager` (`Serve.run` builds
+        it itself, from the module's `ModelManager`)."""
+        from transformers.cli.serving import model_manager
+
+        original = model_manager.ModelManager
+        model_manager.ModelManager = ServedModelManager
+        try:
+            yield
+        finally:
+            model_manager.ModelManager = original
+
+    class SpeculativeServe(_Serve):
+        """`transformers serve` whose models load enabled and go by the names they are served as: its loader becomes
+        a `SpeculatingLoader` before it serves, with one API server or several, and its requests are checked."""
+
+        def __init__(self, speculation: Speculation, locations: dict[str, str], **options: Any) -> None:
             self.speculation = speculation
+            self.locations = locations
             super().__init__(**options)
 
         def run(self, *args: Any, **kwargs: Any) -> None:
             self._speculate()
-            super().run(*args, **kwargs)
+            with served_names(), checked_requests():
+                super().run(*args, **kwargs)
 
         def run_api_servers(self, count: int) -> None:
             self._speculate()
@@ -229,4 +360,4 @@ if _ModelLoader is not None:  # transformers >= 5.25: the served model loads in 
 
         def _speculate(self) -> None:
             if not isinstance(self.loader, SpeculatingLoader):
-                self.loader = SpeculatingLoader.adopt(self.loader, self.speculation)
+                self.loader = SpeculatingLoader.adopt(self.loader, self.speculation, self.locations)

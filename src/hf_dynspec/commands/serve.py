@@ -3,12 +3,14 @@
     hf-dynspec serve [MODEL] --continuous-batching --draft DRAFT [--port 8000] [--dtype auto]
     hf-dynspec serve [MODEL] --continuous-batching --proposer suffix
     hf-dynspec serve [MODEL] --continuous-batching --prompt-lookup-num-tokens 4
+    hf-dynspec serve ./my-model --continuous-batching --proposer suffix --served-model-name my-model
 
 MODEL defaults to the default target (`qwen2.5-coder-1.5b`, from its pip packages), DRAFT (a draft model) to
 nothing: `--draft qwen2.5-coder-0.5b` serves the default pair, `--draft qwen2.5-coder-0.5b@4bit` with the draft's
 weights in 4 bits (bitsandbytes), which makes drafting cheap enough to pay on a CPU. Any model `transformers serve` takes works too.
 Clients talk to it as to `transformers serve`: `/v1/chat/completions`, `/v1/completions`,
-`/v1/responses`, streaming included.
+`/v1/responses`, streaming included, naming the model as it is served (MODEL as given, or `--served-model-name`).
+Malformed requests are answered with a 4xx naming the field (`hf_dynspec.request_checks`).
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dynspec-config", default=None,
                         help="DynSpecConfig as a JSON file or a JSON object (policy, num_speculative_tokens, ...).")
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
-                        help="Seconds between the lines saying what speculation did, logged with --log-level info "
-                             "(default 10).")
+                        help="Seconds between the lines saying what speculation did and which requests hold blocks "
+                             "of the paged caches, logged with --log-level info when they change (default 10).")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="The name clients know the model by, in /v1/models, requests and answers (default: "
+                             "MODEL as given; transformers 5.25 or newer).")
     for flag, (_, kind, text) in SERVE_OPTIONS.items():
         parser.add_argument(flag, type=kind, default=None, help=text)
     parser.set_defaults(func=run)
@@ -82,6 +87,7 @@ def serve_arguments(args: argparse.Namespace) -> dict[str, Any]:
         "dynspec_config": config,
         "continuous_batching": args.continuous_batching,
         "stats_interval": args.stats_interval,
+        "served_model_name": args.served_model_name,
         **options,
     }
 
