@@ -61,15 +61,15 @@ def plain_answers(model_dir, tmp_path_factory):
 
 
 @contextmanager
-def server(arguments: list[str], port: int, log: Path) -> Iterator[Path]:
-    """A server run as its command line runs it (`python ARGUMENTS`), listening on `port`, its output in `log`;
-    stopped (SIGTERM, as a service manager stops it) on leaving."""
+def server(arguments: list[str], port: int, log: Path) -> Iterator[tuple[Path, subprocess.Popen]]:
+    """A server run as its command line runs it (`python ARGUMENTS`), listening on `port`, its output in `log`:
+    the log and the process; stopped (SIGTERM, as a service manager stops it) on leaving."""
     with open(log, "w") as output:
         process = subprocess.Popen([sys.executable, *arguments], stdout=output, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
     try:
         wait_until_listening(port, process, log)
-        yield log
+        yield log, process
     finally:
         process.terminate()
         try:
@@ -141,7 +141,7 @@ def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers, t
     port = free_port()
     config = {"proposer": "suffix", "policy": "static", "suffix_min_token_probability": 0.0, "tree_node_budget": 6}
     arguments = speculating(model_dir, port, "--dynspec-config", json.dumps(config))  # suffix token trees
-    with server(arguments, port, tmp_path / "server.log") as log:
+    with server(arguments, port, tmp_path / "server.log") as (log, _):
         first = ask_all(port, model_dir)
         again = ask_all(port, model_dir)  # drafts from the first round's outputs
         stats = speculation_stats(log, 2 * 3 * len(PROMPTS))
@@ -155,7 +155,7 @@ def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_d
     port = free_port()
     arguments = speculating(model_dir, port, "--draft", draft_dir, "--proposer", "suffix",
                             "--dynspec-config", '{"policy": "static"}')
-    with server(arguments, port, tmp_path / "server.log") as log:
+    with server(arguments, port, tmp_path / "server.log") as (log, _):
         answers = ask_all(port, model_dir)
         stats = speculation_stats(log, 3 * len(PROMPTS))
     assert answers == plain_answers

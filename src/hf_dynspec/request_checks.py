@@ -87,8 +87,8 @@ def _check_model(body: dict[str, Any], limits: Limits) -> Problem | None:
         return Problem(400, "model", f"`model` must be a string naming a served model, got {model!r}.")
     if model not in limits.served_names:
         served = ", ".join(f"`{name}`" for name in limits.served_names)
-        return Problem(404, "model", f"The model `{model}` is not served here: this server serves {served} (see "
-                                     "/v1/models).")
+        return Problem(404, "model", f"`model` is `{model}`, which is not served here: this server serves {served} "
+                                     "(see /v1/models).")
     return None
 
 
@@ -168,13 +168,25 @@ def _check_sampling(body: dict[str, Any]) -> Problem | None:
     seed = body.get("seed")
     if seed is not None and not _is_integer(seed):
         return Problem(400, "seed", f"`seed` must be an integer, got {_shown(seed)}.")
-    return None
+    return _check_logit_bias(body.get("logit_bias"))
+
+
+def _check_logit_bias(bias: Any) -> Problem | None:
+    if bias is None:
+        return None
+    if isinstance(bias, dict) and all(
+        isinstance(key, str) and key.isdigit() and _is_number(value) and -100 <= value <= 100
+        for key, value in bias.items()
+    ):
+        return None
+    return Problem(400, "logit_bias", "`logit_bias` must map token ids (as strings) to numbers between -100 and 100, "
+                                      f"got {_shown(bias)}.")
 
 
 def _check_choices(body: dict[str, Any]) -> Problem | None:
     for name in ("n", "best_of"):
         value = body.get(name)
-        if value is None or value == 1 and _is_integer(value):
+        if value is None or (value == 1 and _is_integer(value)):
             continue
         if not _is_integer(value) or value < 1:
             return Problem(400, name, f"`{name}` must be a positive integer, got {_shown(value)}.")
