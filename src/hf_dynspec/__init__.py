@@ -7,7 +7,7 @@ out = model.generate(**inputs, assistant_model=draft, custom_generate=hf_dynspec
 """
 
 from .config import DynSpecConfig
-from .integration import disable, enable, generate
+from .integration import clear_rollouts, disable, enable, generate
 from .loop import DynSpecOutput, speculative_loop
 from .policies import DraftLengthPolicy, PolicyInput, StepFeedback
 from .stats import DynSpecStats, StepRecord
@@ -34,6 +34,7 @@ __all__ = [
     "PolicyInput",
     "StepFeedback",
     "StepRecord",
+    "clear_rollouts",
     "disable",
     "enable",
     "generate",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .coupling import SAMPLERS
 from .kernels import NARROW_LINEAR
 
 if TYPE_CHECKING:
@@ -158,6 +159,37 @@ class DynSpecConfig:
                   "decides every token (lossless); only acceptance can drop. None: the whole vocabulary (also used "
                   "when the draft's logits are not a plain linear map of its last hidden state)."},
     )
+    sampling: str = field(
+        default="standard",
+        metadata={"help": "How sampled tokens are drawn (`do_sample=True`): 'standard' from the random generator, with "
+                  "speculative rejection sampling; 'coupled' as the argmax of the processed scores plus Gumbel noise "
+                  "that a keyed hash computes from `seed`, the row's prompt, its index among the call's rows with that "
+                  "prompt, and the token's position in the response (`hf_dynspec.coupling`). Either way each token is "
+                  "exactly a sample of the target's distribution. Coupled samples do not depend on the proposer, the "
+                  "draft lengths or the batch, and a prompt sampled again with the same seed after a small update of "
+                  "the model repeats most of what it sampled before (see `reuse_rollouts`). Greedy decoding ignores it."},
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "Coupled sampling: the seed of every row's noise. Calls with the same seed, prompt and index "
+                  "sample the same tokens from the same distributions; a new seed removes the coupling."},
+    )
+    reuse_rollouts: bool = field(
+        default=False,
+        metadata={"help": "Keep each finished row's tokens in a rollout cache of the target model (per stream: seed, "
+                  "prompt, index), and let a later call's row with the same stream propose that earlier sample's "
+                  "continuation from its own position, at no draft cost (`hf_dynspec.candidates.rollout`): an RL "
+                  "epoch reuses what the previous one sampled, exactly. Needs `sampling='coupled'`; greedy calls "
+                  "reuse earlier greedy answers. `hf_dynspec.clear_rollouts(model)` empties the cache."},
+    )
+    rollout_cache_samples: int = field(
+        default=4096,
+        metadata={"help": "Rollout cache: finished samples kept, at most (least recently stored out first)."},
+    )
+    rollout_cache_tokens: int = field(
+        default=4194304,
+        metadata={"help": "Rollout cache: tokens of those samples kept, at most (least recently stored out first)."},
+    )
     narrow_linear: str = field(
         default="auto",
         metadata={"help": "Linear layers of forwards over a few rows (verify forwards, draft lookahead, trees): 'auto' "
@@ -207,6 +239,18 @@ class DynSpecConfig:
         self._check_number("suffix_min_token_probability", 0.0, 1.0)
         self._check_number("suffix_spec_factor", 0.0, float("inf"))
         self._check_int("compact_min_holes", minimum=1)
+        self._check_choice("sampling", SAMPLERS)
+        self._check_int("seed", minimum=0)
+        self._check_int("rollout_cache_samples", minimum=1)
+        self._check_int("rollout_cache_tokens", minimum=1)
+        if not isinstance(self.reuse_rollouts, bool):
+            raise ValueError(f"`reuse_rollouts` must be a bool, got {self.reuse_rollouts!r}.")
+        if self.reuse_rollouts and self.sampling != "coupled":
+            raise ValueError(
+                "`reuse_rollouts=True` proposes earlier samples back, which a later sample repeats only when both were "
+                "drawn with the same noise: set `sampling='coupled'` too (greedy calls then reuse earlier greedy "
+                "answers)."
+            )
         cost = self.draft_lookahead_max_cost
         if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 1.0):
             raise ValueError(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
+from .candidates.rollout import clear_rollout_caches
 from .config import DynSpecConfig
 from .loop import speculative_loop
 from .validation import check_vocabularies
@@ -118,19 +119,24 @@ def _loop_serves(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
     return (_setting(model, kwargs, "num_return_sequences") or 1) == 1 or bool(_setting(model, kwargs, "do_sample"))
 
 
-def _proposes_from_suffixes(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
-    """Whether the call's loop settings (its `dynspec_config`, else its generation config's) name the suffix
-    proposer, which needs no assistant model or `prompt_lookup_num_tokens`."""
+def _config_proposes(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
+    """Whether the call's loop settings (its `dynspec_config`, else its generation config's) need the loop without an
+    assistant model or `prompt_lookup_num_tokens`: the suffix proposer, the rollout cache, or coupled sampling."""
     value = kwargs.get("dynspec_config")
     if value is None:
         value = DynSpecConfig.from_generation_config(kwargs.get("generation_config") or model.generation_config)
-    return value is not None and DynSpecConfig.coerce(value).proposer == "suffix"
+    return value is not None and _loop_proposes(DynSpecConfig.coerce(value))
+
+
+def _loop_proposes(config: DynSpecConfig) -> bool:
+    """Whether `config` speculates (or samples) in the loop with no assistant model named."""
+    return config.proposer == "suffix" or config.reuse_rollouts or config.sampling == "coupled"
 
 
 def _wants_speculation(model: PreTrainedModel, kwargs: dict) -> bool:
     if kwargs.get("custom_generate") is not None:
         return False
-    return _brings_proposer(model, kwargs) or (_proposes_from_suffixes(model, kwargs) and _loop_serves(model, kwargs))
+    return _brings_proposer(model, kwargs) or (_config_proposes(model, kwargs) and _loop_serves(model, kwargs))
 
 
 def enable(
@@ -225,10 +231,10 @@ def _dynspec_init_continuous_batching(
     lookup = _setting(self, {"generation_config": generation_config}, "prompt_lookup_num_tokens")
     binding = self._dynspec_binding
     config = binding.dynspec_config
-    suffix = config is not None and DynSpecConfig.coerce(config).proposer == "suffix"
+    model_free = config is not None and _loop_proposes(DynSpecConfig.coerce(config))
     draft = binding.assistant_model if lookup is None else None
     cached = getattr(self, "_cached_continuous_batching_manager", None) is not None
-    if cached or (lookup is None and not suffix and draft is None):
+    if cached or (lookup is None and not model_free and draft is None):
         return original(self, generation_config, continuous_batching_config, workload_hints)
     from .continuous import init_continuous_batching
 
@@ -251,6 +257,13 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
     target.__dict__.pop("init_continuous_batching", None)
     target._dynspec_original_generate = None
     target._dynspec_binding = None
+    return model
+
+
+def clear_rollouts(model: PreTrainedModel) -> PreTrainedModel:
+    """Empty the rollout caches of `model` (`DynSpecConfig.reuse_rollouts`; a PEFT model's are its base model's):
+    later calls propose nothing from earlier samples until they have stored new ones."""
+    clear_rollout_caches(_generating_model(model, "model"))
     return model
 
 

@@ -28,11 +28,13 @@ from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
 from .candidates.hybrid import HybridProposer
 from .candidates.prompt_lookup import PromptLookupProposer
+from .candidates.rollout import RolloutProposer, RolloutSettings, rollout_cache_for
 from .candidates.suffix import SuffixCache, SuffixProposer, SuffixSettings, suffix_cache_for
 from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
+from .coupling import perturb, stream_keys
 from .distributed import DecisionBroadcast
 from .packing import can_pack
 from .placement import Placement
@@ -101,10 +103,12 @@ def speculative_loop(
     translation = _translation(assistant_model, tokenizer, assistant_tokenizer, config)
     validate_inputs(
         model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer,
-        same_vocabulary=translation is None, suffix=config.proposer == "suffix",
+        same_vocabulary=translation is None, suffix=config.proposer == "suffix", rollouts=config.reuse_rollouts,
+        coupled=config.sampling == "coupled",
     )
     run = _Run(
-        model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config, translation
+        model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config, translation,
+        model_kwargs.get("attention_mask"),
     )
     run.policy = _policy_for(model, assistant_model, config, dynspec_policy)
     run.streamer = streamer
@@ -124,6 +128,7 @@ class _Run:
         generation_config: GenerationConfig,
         config: DynSpecConfig,
         translation: tuple | None = None,
+        attention_mask: torch.LongTensor | None = None,
     ) -> None:
         self.model = model
         self.translation = translation  # (target tokenizer, draft tokenizer) for a draft with another tokenizer
@@ -141,10 +146,15 @@ class _Run:
         self.pad_id = int(pad) if pad is not None else 0
         batch_criteria = [c for c in extra_criteria if not answers_row_by_row(c)]
         self.criteria = LockstepCriteria(batch_criteria, input_ids, self.pad_id) if batch_criteria else None
+        # [rows] each row's stream of coupled sampling (`hf_dynspec.coupling`), also the rollout cache's key
+        self.streams = self._streams(input_ids, attention_mask) if config.sampling == "coupled" else None
+        self.coupled = self.do_sample and self.streams is not None
         self.proposer = self._make_proposer(draft)
+        if self.coupled:
+            self.proposer.couple(self.streams)
         self.packs = config.packed_verify and can_pack(model)  # verify forwards compute only the real tokens
         self.max_draft = self._max_draft_tokens()
-        free = isinstance(self.proposer, (HybridProposer, SuffixProposer))
+        free = isinstance(self.proposer, (HybridProposer, SuffixProposer, RolloutProposer))
         self.max_free = self.config.prompt_lookup_max_tokens if free else self.max_draft
         num_rows, width = input_ids.shape
         self.max_new_tokens = generation_config.max_length - width
@@ -163,7 +173,15 @@ class _Run:
             if returned and getattr(generation_config, f"output_{name}", False)
         }
 
+    def _streams(self, input_ids: torch.LongTensor, mask: torch.LongTensor | None) -> torch.LongTensor:
+        """`[rows]` each row's stream: the seed, its prompt without padding, its index among rows with that prompt."""
+        real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+        prompts = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), real.cpu())]
+        return stream_keys(prompts, self.config.seed, input_ids.device, across_ranks=not self.decisions.enabled)
+
     def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
+        if self.config.reuse_rollouts:
+            return self._rollout_proposer(draft)
         mixed = self.config.proposer == "hybrid" or (self.config.proposer == "suffix" and draft is not None)
         if mixed and self.config.tree_node_budget:
             raise ValueError(
@@ -179,7 +197,8 @@ class _Run:
                     "DynSpecConfig(proposer='hybrid') combines prompt lookup with a draft model: pass "
                     "`assistant_model=<draft model>` (and no `prompt_lookup_num_tokens`), or drop proposer='hybrid'."
                 )
-            return self._lookup_proposer(int(self.generation_config.prompt_lookup_num_tokens))
+            lookup = self.generation_config.prompt_lookup_num_tokens  # None: coupled sampling with no proposer named
+            return self._lookup_proposer(int(lookup) if lookup is not None else self.config.prompt_lookup_max_tokens)
         if self.translation is not None:
             vocab = self.model.config.get_text_config().vocab_size
             return TranslatedDraftProposer(draft, *self.translation, self.generation_config, vocab)
@@ -195,6 +214,21 @@ class _Run:
                 return HybridProposer(model, SuffixProposer(self._suffix_cache(), free_tokens))
             return HybridProposer(model, self._lookup_proposer(free_tokens))
         return model
+
+    def _rollout_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
+        """The rollout cache's proposals, beside the draft model when there is one (`DynSpecConfig.reuse_rollouts`)."""
+        if self.config.tree_node_budget or self.config.proposer != "auto" or self.translation is not None:
+            raise ValueError(
+                "DynSpecConfig(reuse_rollouts=True) proposes chains from the rollout cache, beside the assistant model "
+                "when one is given: set `tree_node_budget=0` and proposer='auto', and use a draft with the target's "
+                "tokenizer (no `assistant_tokenizer`)."
+            )
+        cache = rollout_cache_for(self.model, RolloutSettings.from_config(self.config))
+        rollout = RolloutProposer(cache, self.streams, self.config.prompt_lookup_max_tokens)
+        if draft is None:
+            return rollout
+        model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
+        return HybridProposer(model, rollout)
 
     def _suffix_cache(self) -> SuffixCache:
         return suffix_cache_for(self.model, SuffixSettings.from_config(self.config))
@@ -228,6 +262,8 @@ class _Run:
         self.stats.draft_forwards += self.proposer.forwards
         drafter = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
         self.stats.draft_lookahead = getattr(drafter, "lookahead", None)
+        rollout = getattr(self.proposer, "lookup", self.proposer)  # a hybrid's model-free proposer
+        self.stats.rollout_rows = rollout.found_rows if isinstance(rollout, RolloutProposer) else 0
         if self.streamer is not None:
             self.streamer.end()
         sequences = self.output[:, : self.input_ids.shape[1] + int(self.output_generated.max())]
@@ -272,7 +308,7 @@ class _Run:
             logits = self._target_forward(input_ids[:, cached:], mask[:, cached:], positions[:, cached:], 1)
             scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)  # [batch, 1, vocab]
             root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
-            first = self._verify(scores, root_only, None)
+            first = self._verify(scores, root_only, None, batch)
             batch = self._emit(batch, first.emitted, first.accepted + 1, {"scores": scores, "logits": logits})
         else:
             batch = self._prefill_verifying(batch, proposal, mask, positions, cached)
@@ -324,10 +360,11 @@ class _Run:
             ids, query_mask, torch.cat([positions[:, cached:-1], node_positions], 1), nodes, visibility
         )
         scores = process_tree_logits(self.logits_processor, batch, tree, logits)  # [batch, nodes, vocab]
-        outcome = self._verify(scores, tree, proposal.node_probs(tree))
+        outcome = self._verify(scores, tree, proposal.node_probs(tree), batch)
         self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
         self.target_cache.settle()
         self.proposer.commit(batch, proposal, outcome.kept)
+        self._count_reused(proposal, outcome)
         self.stats.draft_tokens += int(proposal.lengths.sum())
         self.stats.accepted_tokens += int(outcome.accepted.sum())
         return self._emit(batch, outcome.emitted, outcome.accepted + 1, self._along_path(scores, logits, outcome))
@@ -355,7 +392,7 @@ class _Run:
         visibility = tree.visibility(self.target_cache.length)  # [batch, nodes, length + nodes]
         logits = self._target_forward(tree.tokens, tree.valid.long(), positions, nodes, visibility, self.packs)
         scores = process_tree_logits(self.logits_processor, batch, tree, logits)
-        outcome = self._verify(scores, tree, proposal.node_probs(tree))
+        outcome = self._verify(scores, tree, proposal.node_probs(tree), batch)
         verified = self.placement.clock()
 
         self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
@@ -366,6 +403,13 @@ class _Run:
         batch = self._emit(batch, outcome.emitted, outcome.accepted + 1, self._along_path(scores, logits, outcome))
         self._account_overhead(self.placement.clock() - begun - (drafted - start) + setup - (verified - drafted))
         return batch
+
+    def _count_reused(self, proposal: Proposal, outcome: TreeVerification) -> None:
+        """Add the step's accepted tokens that the rollout cache proposed to `stats.reused_tokens`."""
+        free = self.proposer.last_free_rows
+        if not self.config.reuse_rollouts or proposal.max_length == 0 or free is None:
+            return
+        self.stats.reused_tokens += int(outcome.accepted[free.to(outcome.accepted.device)].sum())
 
     def _along_path(
         self, scores: torch.Tensor, logits: torch.Tensor, outcome: TreeVerification
@@ -439,9 +483,18 @@ class _Run:
             self.model, self.target_cache, ids, query_mask, positions, keep, visibility, pack=pack
         )
 
-    def _verify(self, scores: torch.Tensor, tree: TokenTree, draft_probs: torch.Tensor | None) -> TreeVerification:
-        """Verify `tree` against the processed target scores at its nodes (`[batch, nodes, vocab]`)."""
-        if self.do_sample:
+    def _verify(
+        self, scores: torch.Tensor, tree: TokenTree, draft_probs: torch.Tensor | None, batch: TokenBatch
+    ) -> TreeVerification:
+        """Verify `tree` against the processed target scores at its nodes (`[batch, nodes, vocab]`). Coupled sampling
+        matches each node's children against the node's perturbed argmax, keyed by the position it samples."""
+        if self.coupled:
+            rows, nodes = tree.valid.nonzero(as_tuple=True)  # [items] each: noise only where a node is real
+            positions = batch.num_generated[rows] + tree.depths[rows, nodes]  # [items] response position sampled
+            perturbed = torch.full_like(scores, float("-inf"))
+            perturbed[rows, nodes] = perturb(scores[rows, nodes], self.streams[batch.row_ids[rows]], positions)
+            outcome = verify_tree_greedy(perturbed, tree)
+        elif self.do_sample:
             outcome = verify_tree_sampling(scores.softmax(dim=-1), tree, draft_probs)
         else:
             outcome = verify_tree_greedy(scores, tree)
@@ -570,6 +623,7 @@ class _Run:
             catchup_seconds, catchup_tokens, free_rows,
         )
         self.policy.observe(feedback)
+        self._count_reused(proposal, outcome)
         stats = self.stats
         stats.num_steps += 1
         stats.draft_tokens += int(proposal.lengths.sum())

@@ -71,6 +71,10 @@ class DynSpecStats:
     draft_lookahead: int | None = None
     """The most lookahead guess tokens a draft forward carried (`draft_lookahead`, cut to what
     `draft_lookahead_max_cost` allows); None when no draft model drafted."""
+    rollout_rows: int = 0
+    """Rollout reuse (`DynSpecConfig.reuse_rollouts`): rows whose stream had an earlier response in the cache."""
+    reused_tokens: int = 0
+    """Rollout reuse: accepted draft tokens that the rollout cache proposed (tokens an earlier sample gave again)."""
 
     @property
     def accounted_seconds(self) -> float:

@@ -28,10 +28,14 @@ def validate_inputs(
     streamer=None,
     same_vocabulary: bool = True,
     suffix: bool = False,
+    rollouts: bool = False,
+    coupled: bool = False,
 ) -> None:
     """Raise `ValueError` naming the problem and the fix for anything the loop cannot decode exactly
     (`same_vocabulary=False`: the draft has another tokenizer, and its tokens are translated; `suffix`: the config
-    proposes from suffix trees, which need no assistant model)."""
+    proposes from suffix trees, which need no assistant model; `rollouts`: from the rollout cache, beside the
+    assistant model if one is given; `coupled`: coupled sampling, which drafts with prompt lookup when the call brings
+    no proposer)."""
     _check_mode(generation_config, synced_gpus)
     if draft is not None and not isinstance(draft, PreTrainedModel):
         raise ValueError(
@@ -43,7 +47,7 @@ def validate_inputs(
             f"A streamer was given with batch size {input_ids.shape[0]}; the speculative loop streams batch size 1 "
             "only (rows advance by different numbers of tokens per step). Generate without a streamer, or per row."
         )
-    _check_proposer(draft, generation_config, suffix)
+    _check_proposer(draft, generation_config, suffix, rollouts, coupled)
     _check_assistant_settings(generation_config)
     _check_model(model, "target model")
     if draft is not None:
@@ -96,14 +100,21 @@ def _check_mode(generation_config: GenerationConfig, synced_gpus: bool) -> None:
         raise ValueError("use_cache=False: speculative decoding needs the KV cache; remove use_cache=False.")
 
 
-def _check_proposer(draft: PreTrainedModel | None, generation_config: GenerationConfig, suffix: bool) -> None:
+def _check_proposer(
+    draft: PreTrainedModel | None, generation_config: GenerationConfig, suffix: bool, rollouts: bool, coupled: bool
+) -> None:
     lookup = generation_config.prompt_lookup_num_tokens
+    if rollouts and lookup is not None:
+        raise ValueError(
+            "DynSpecConfig(reuse_rollouts=True) proposes from the rollout cache (beside the assistant model, if one is "
+            "given); drop `prompt_lookup_num_tokens`."
+        )
     if suffix and lookup is not None:
         raise ValueError(
             "DynSpecConfig(proposer='suffix') proposes from suffix trees, which cover the prompt as prompt lookup "
             "does; drop `prompt_lookup_num_tokens` (or use proposer='auto' for prompt lookup)."
         )
-    if draft is None and lookup is None and not suffix:
+    if draft is None and lookup is None and not (suffix or rollouts or coupled):
         raise ValueError(
             "The speculative loop needs a proposer: pass `assistant_model=<draft model>` or "
             "`prompt_lookup_num_tokens=<n>` to generate."

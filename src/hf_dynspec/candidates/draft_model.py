@@ -8,6 +8,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import RaggedCache, check_cache_supported, loop_cache
 from ..config import DynSpecConfig
+from ..coupling import perturb
 from ..kernels import LinearPlan
 from ..placement import Placement
 from ..processors import process_path_logits
@@ -76,6 +77,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.forwards = 0
         self.lookahead: int | None = None  # guess tokens a forward may carry, once drafting starts
         self._fed_nodes: torch.LongTensor | None = None  # [batch, fed] tree node of each draft-cache column fed
+        self.streams: torch.LongTensor | None = None  # [rows] coupled sampling's stream per original row (`couple`)
         self._num_assistant_tokens = self.config.num_speculative_tokens
 
     # ---- batched interface ---------------------------------------------------------------------------------------
@@ -93,6 +95,24 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     @property
     def model(self) -> PreTrainedModel:
         return self.draft_model
+
+    def couple(self, streams: torch.LongTensor) -> None:
+        """Draw every draft token as the perturbed argmax of the processed draft scores (a fixed proposal)."""
+        self.streams = streams
+        self.do_sample = False
+
+    def perturbed(
+        self, scores: torch.Tensor, batch: TokenBatch, rows: torch.LongTensor, drawn: torch.LongTensor
+    ) -> torch.Tensor:
+        """Processed draft scores (`[rows, ..., vocab]`) plus, under coupled sampling, the noise the target samples
+        with at the same positions: row `rows[i]` of `batch` after `drawn` draft tokens (`[rows, ...]`) samples its
+        response position `num_generated + drawn`. Unchanged otherwise."""
+        if self.streams is None:
+            return scores
+        shape = (-1,) + (1,) * (drawn.dim() - 1)
+        positions = batch.num_generated[rows].view(shape) + drawn  # [rows, ...]
+        streams = self.streams.to(rows.device)[batch.row_ids[rows]].view(shape).expand_as(positions)
+        return perturb(scores, streams, positions)
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
         """`[batch]` committed tokens of each row not yet in the draft's cache (the prompt, before the first draft)."""
@@ -217,7 +237,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             processed = process_path_logits(
                 self.logits_processor, batch, rows, chain.tokens[rows], chain.done[rows], scores[rows, j]
             )  # [rows, vocab]
-            token, token_probs = self._select(processed)
+            token, token_probs = self._select(self.perturbed(processed, batch, rows, chain.done[rows]))
             if early_stop is not None:
                 stopped = self._early_stopped(early_stop, rows, chain.done[rows], token, token_probs, processed)
                 drawn = chain.done[rows] + 1  # [rows] tokens of each row once this one is appended

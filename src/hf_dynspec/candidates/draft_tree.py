@@ -132,7 +132,9 @@ class DraftTreeProposer(DraftModelProposer):
             guess = self._tree_guesses(batch, growth.candidates, anchor, active[:, 0], reach, frontier_lookahead)
             scores, guess_logits = self._expand(batch, growth, frontier, active, guess, context_length, depth)
             growth.fed.append(torch.where(active, frontier, -1))
-            growth.grow(frontier, active, self._draw(scores), scores.softmax(dim=-1) if self.do_sample else None)
+            drawn = torch.full_like(frontier, depth)  # [batch, width] the frontier's depth: its children's index
+            growth.grow(frontier, active, self._draw(self.perturbed(scores, batch, rows_of(batch), drawn)),
+                        scores.softmax(dim=-1) if self.do_sample else None)
             self._adopt_guesses(batch, growth, torch.where(active[:, 0], anchor, -2), guess, guess_logits, reach)
         candidates = growth.candidates
         too_deep = candidates.depths > reach.unsqueeze(1)  # lookahead may have grown past where the stop ended a row
@@ -163,7 +165,8 @@ class DraftTreeProposer(DraftModelProposer):
             self.logits_processor, batch, rows, ids.new_zeros((batch.batch_size, 0)), torch.zeros_like(reach),
             logits[:, 0],
         )  # [batch, vocab]
-        candidates = self._root_children(root_scores, reach > 0)
+        perturbed = self.perturbed(root_scores, batch, rows, torch.zeros_like(reach))
+        candidates = self._root_children(perturbed, reach > 0)
         growth = _Growth(
             candidates, torch.zeros_like(candidates.tokens, dtype=torch.bool), [],
             [root_scores.softmax(dim=-1).unsqueeze(1)] if self.do_sample else [], 1,
@@ -348,7 +351,8 @@ class DraftTreeProposer(DraftModelProposer):
             scores = process_path_logits(
                 self.logits_processor, batch, rows, candidates.paths[rows, child], depth, logits[:, j]
             ).unsqueeze(1)  # [batch, 1, vocab]
-            growth.grow(child.unsqueeze(1), walking.unsqueeze(1), self._draw(scores),
+            drawn = self.perturbed(scores, batch, rows, depth.unsqueeze(1))  # the child's children follow `depth`
+            growth.grow(child.unsqueeze(1), walking.unsqueeze(1), self._draw(drawn),
                         scores.softmax(dim=-1) if self.do_sample else None)
             current = child
         growth.fed.append(nodes)
@@ -391,6 +395,11 @@ class DraftTreeProposer(DraftModelProposer):
             index = place(candidates.q_index, 0)  # [batch, width]
             probs = q_store.gather(1, index.unsqueeze(2).expand(-1, -1, q_store.shape[2]))
         return Proposal(place(candidates.tokens, batch.pad_id), chosen.sum(dim=1), probs, place(parent_nodes, 0))
+
+
+def rows_of(batch: TokenBatch) -> torch.LongTensor:
+    """`[batch]` every row of `batch`, by index."""
+    return torch.arange(batch.batch_size, device=batch.tokens.device)
 
 
 def _best_node_probability(candidates: _Candidates, rows: torch.LongTensor, depth: int) -> torch.Tensor:

@@ -39,6 +39,9 @@ class HybridProposer(BatchedProposer):
         self.draft.start(batch)
         self.lookup.start(batch)
 
+    def couple(self, streams: torch.LongTensor) -> None:
+        self.draft.couple(streams)
+
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
         return self.draft.backlog(batch)
 

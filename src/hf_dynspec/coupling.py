@@ -1,0 +1,171 @@
+"""Coupled sampling: every sampled token is the argmax of its processed scores plus Gumbel noise from a keyed hash.
+
+Words (shared with the config, the stats and the docs): each row of a call samples from its own *stream*, a 63-bit
+number computed from the seed, the row's prompt (its token ids without padding) and the row's *index* among the rows
+of the call with the same prompt (TRL's GRPO layout: a group of `G` samples of one prompt are its indices
+`0 .. G - 1`). Each sampled token has a *key*: its position in the row's response (0 for the first generated token).
+The *noise* of (stream, key) is one Gumbel variable per token id, computed by a counter-based hash: nothing is drawn
+from a generator, so the noise is the same whatever ran before, on every device and in every process.
+
+The sampled token is `argmax(scores + noise)` over the processed scores (after temperature, top-k, top-p, repetition
+penalty, ...). With Gumbel noise that is exactly a sample of `softmax(scores)` (the Gumbel-max trick); what a row
+samples is a deterministic function of its stream and of the model's distributions along the row. Hence:
+
+- the output does not depend on which proposer ran, how many tokens it drafted or which rows shared the batch: a
+  proposal is verified by equality with the perturbed argmax, as in greedy decoding, and a draft model proposes its
+  own perturbed argmax under the same noise;
+- two models sampled with the same stream agree on a token with probability at least `(1 - TV) / (1 + TV)` in the
+  total variation distance of their distributions (Daliri, Musco and Suresh, 2024: "Coupling without communication
+  and drafter-invariant speculative decoding"). A policy sampled again after a small update repeats most of what it
+  sampled before, which the rollout cache (`candidates.rollout`) proposes back.
+
+The hash: `mix32` is a 32-bit integer finaliser (two multiply-xorshift rounds with odd constants below 2^31, so every
+product fits in a signed 64-bit integer and the arithmetic is exact on every device). A token id goes through a fixed
+table `mix32(id * GOLDEN)`, then two rounds keyed by the two 32-bit halves of the token's key, which `token_keys`
+derives from (stream, position); the top 24 bits give a uniform in (0, 1), and `-log(-log(u))` the Gumbel variable.
+Distinct (stream, position) pairs get independent noise up to 64-bit key collisions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+SAMPLERS = ("standard", "coupled")
+"""Values of `DynSpecConfig.sampling`."""
+
+_MASK = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_ROUNDS = (0x21F0AAAD, 0x735A2D97)
+_UNIFORM_BITS = 24
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit values held in an int64 tensor (any shape): xorshift-multiply rounds."""
+    x = x ^ (x >> 16)
+    x = (x * _ROUNDS[0]) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _ROUNDS[1]) & _MASK
+    return x ^ (x >> 15)
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` in place (for the large `[items, vocab]` tensors of the noise)."""
+    x ^= x >> 16
+    x.mul_(_ROUNDS[0]).bitwise_and_(_MASK)
+    x ^= x >> 15
+    x.mul_(_ROUNDS[1]).bitwise_and_(_MASK)
+    x ^= x >> 15
+    return x
+
+
+_ID_TABLES: dict[tuple[int, str], torch.Tensor] = {}
+"""`mix32(id * GOLDEN)` for ids `0 .. vocab - 1`, per (vocabulary size, device)."""
+
+
+def _id_table(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (vocab, str(device))
+    if key not in _ID_TABLES:
+        ids = torch.arange(vocab, dtype=torch.long, device=device)
+        _ID_TABLES[key] = mix32((ids * _GOLDEN) & _MASK)
+    return _ID_TABLES[key]
+
+
+def token_keys(streams: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit halves of each token's key (`[items]` each, int64) from its stream and position (`[items]`)."""
+    low, high = streams & _MASK, (streams >> 32) & _MASK
+    at = mix32((positions & _MASK) ^ _GOLDEN)
+    first = mix32(low ^ at)
+    return first, mix32(high ^ mix32(first ^ _ROUNDS[0]))
+
+
+def gumbel_noise(
+    streams: torch.LongTensor,  # [items]
+    positions: torch.LongTensor,  # [items]
+    vocab: int,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """`[items, vocab]` float32 Gumbel noise of each item's (stream, position) over token ids `0 .. vocab - 1`."""
+    device = device or streams.device
+    first, second = token_keys(streams.to(device).long(), positions.to(device).long())
+    x = _id_table(vocab, device).unsqueeze(0) ^ first.unsqueeze(1)  # [items, vocab]
+    _mix32_(x)
+    x ^= second.unsqueeze(1)
+    _mix32_(x)
+    uniform = (x >> (32 - _UNIFORM_BITS)).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # in (0, 1)
+    return uniform.log_().neg_().log_().neg_()
+
+
+def coupled_choice(
+    scores: torch.Tensor,  # [..., vocab] processed scores
+    streams: torch.LongTensor,  # [...]
+    positions: torch.LongTensor,  # [...]
+) -> torch.LongTensor:
+    """`[...]` the perturbed argmax: exactly a sample of `softmax(scores)` at each item, fixed by its stream and key."""
+    return perturb(scores, streams, positions).argmax(dim=-1)
+
+
+def perturb(
+    scores: torch.Tensor,  # [..., vocab]
+    streams: torch.LongTensor,  # [...]
+    positions: torch.LongTensor,  # [...]
+) -> torch.Tensor:
+    """`[..., vocab]` float32 scores plus the Gumbel noise of each item (`-inf` stays `-inf`)."""
+    shape = scores.shape
+    flat = scores.reshape(-1, shape[-1]).float()
+    noise = gumbel_noise(streams.reshape(-1), positions.reshape(-1), shape[-1], flat.device)
+    return noise.add_(flat).reshape(shape)
+
+
+# ---- streams ---------------------------------------------------------------------------------------------------------
+def prompt_digest(prompt: Sequence[int]) -> bytes:
+    """16 bytes that identify a prompt (its token ids without padding)."""
+    tokens = [int(token) for token in prompt]
+    return hashlib.blake2b(struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+
+def stream_of(seed: int, digest: bytes, index: int) -> int:
+    """The stream of the `index`-th sample of the prompt with `digest` under `seed`: a 63-bit non-negative int."""
+    material = digest + int(seed).to_bytes(16, "little", signed=True) + int(index).to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little") >> 1
+
+
+def sample_indices(digests: Sequence[bytes], offsets: dict[bytes, int] | None = None) -> list[int]:
+    """Each row's index among the rows with the same prompt, in row order, after `offsets[digest]` earlier ones."""
+    seen: Counter[bytes] = Counter(offsets or {})
+    indices = []
+    for digest in digests:
+        indices.append(seen[digest])
+        seen[digest] += 1
+    return indices
+
+
+def stream_keys(
+    prompts: Sequence[Sequence[int]], seed: int, device: torch.device | None = None, across_ranks: bool = True
+) -> torch.LongTensor:
+    """`[rows]` each row's stream: (seed, its prompt, its index among the rows with that prompt).
+
+    In a run of several processes (`torch.distributed`, data parallel), indices count the same prompt's rows on lower
+    ranks first, so no two rows of the run share a stream (a GRPO group split over two ranks samples no twins), and a
+    prompt's sample `i` finds stream `i` again on whichever rank it lands next time. That takes one `all_gather` of
+    the prompts' digests, so every rank must generate together (as TRL's trainers do). `across_ranks=False` counts
+    this process's rows only (the ranks of a tensor-parallel target, which decode the same rows).
+    """
+    digests = [prompt_digest(prompt) for prompt in prompts]
+    indices = sample_indices(digests, _lower_ranks_counts(digests) if across_ranks else None)
+    streams = [stream_of(seed, digest, index) for digest, index in zip(digests, indices)]
+    return torch.tensor(streams, dtype=torch.long, device=device)
+
+
+def _lower_ranks_counts(digests: list[bytes]) -> dict[bytes, int]:
+    """Per prompt digest, how many rows with that prompt the lower ranks of a data-parallel run hold (`{}` alone)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return {}
+    gathered: list[list[bytes] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
+    return dict(Counter(d for rank_digests in gathered[: dist.get_rank()] for d in rank_digests or []))

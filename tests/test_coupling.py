@@ -1,0 +1,294 @@
+"""Coupled sampling: the hash, streams, the exact law of sampled tokens, and invariance to proposers and batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_prompts, perturbed, tiny_model
+from scipy import stats
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.coupling import (
+    coupled_choice,
+    gumbel_noise,
+    mix32,
+    prompt_digest,
+    sample_indices,
+    stream_keys,
+    stream_of,
+    token_keys,
+)
+
+
+# ---- the hash ------------------------------------------------------------------------------------------------------
+def _mix32_reference(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def test_mix32_is_exact_32_bit_arithmetic():
+    values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 123456789, 0xDEADBEEF]
+    assert mix32(torch.tensor(values)).tolist() == [_mix32_reference(v) for v in values]
+
+
+def test_mix32_is_a_bijection_on_a_block():
+    block = torch.arange(1 << 16) * 65537  # distinct 32-bit values
+    assert mix32(block).unique().numel() == block.numel()
+
+
+def test_noise_is_gumbel_and_independent_across_ids_and_keys():
+    streams = torch.tensor([5, 5, 6, 7]).repeat_interleave(500)
+    positions = torch.arange(2000)
+    noise = gumbel_noise(streams, positions, 512)  # [2000, 512]
+    uniform = torch.exp(-torch.exp(-noise.double())).flatten().numpy()
+    assert stats.kstest(uniform, "uniform").pvalue > 1e-3
+    pairs = torch.corrcoef(torch.stack([noise[:-1, 0], noise[1:, 0], noise[:-1, 1], noise[:-1, 511]]))
+    assert (pairs - torch.eye(4)).abs().max() < 0.1
+
+
+def test_token_keys_are_distinct_within_a_stream():
+    first, second = token_keys(torch.full((4096,), 12345), torch.arange(4096))
+    assert (first * (1 << 32) + second).unique().numel() == 4096
+
+
+def test_coupled_choice_samples_softmax():
+    """The perturbed argmax over many keys follows `softmax(scores)` (-inf scores never win)."""
+    scores = torch.tensor([1.0, 0.0, -1.0, float("-inf"), 2.0])
+    n = 200_000
+    tokens = coupled_choice(scores.expand(n, -1), torch.full((n,), 99), torch.arange(n))
+    counts = torch.bincount(tokens, minlength=5).double().numpy()
+    expected = scores.double().softmax(-1).numpy() * n
+    assert counts[3] == 0
+    assert stats.chisquare(counts[[0, 1, 2, 4]], expected[[0, 1, 2, 4]]).pvalue > 1e-3
+
+
+# ---- streams -------------------------------------------------------------------------------------------------------
+def test_streams_follow_seed_prompt_and_index():
+    prompts = [[5, 6, 7], [5, 6, 7], [8], [5, 6, 7]]
+    streams = stream_keys(prompts, seed=0).tolist()
+    assert len(set(streams)) == 4  # the three samples of [5, 6, 7] are indices 0, 1, 2
+    assert streams == stream_keys(prompts, seed=0).tolist()
+    assert set(streams).isdisjoint(stream_keys(prompts, seed=1).tolist())
+    assert stream_keys([[8], [5, 6, 7]], seed=0).tolist() == [streams[2], streams[0]]  # order within a call free
+    assert all(0 <= s < 1 << 63 for s in streams)
+
+
+def test_sample_indices_count_earlier_rows_with_the_same_prompt():
+    a, b = prompt_digest([1, 2]), prompt_digest([3])
+    assert sample_indices([a, b, a, a]) == [0, 0, 1, 2]
+    assert sample_indices([a, b, a], offsets={a: 4}) == [4, 0, 5]
+    assert stream_of(0, a, 4) != stream_of(0, a, 5)
+
+
+def test_padding_does_not_change_a_rows_stream():
+    ids, mask = left_padded_prompts([3, 6], seed=2)
+    wide = torch.cat([torch.zeros((2, 4), dtype=torch.long), ids], dim=1)
+    wide_mask = torch.cat([torch.zeros((2, 4), dtype=torch.long), mask], dim=1)
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    runs = [_sample(model, i, m, max_new_tokens=8) for i, m in ((ids, mask), (wide, wide_mask))]
+    assert torch.equal(runs[0][:, ids.shape[1] :], runs[1][:, wide.shape[1] :])
+
+
+# ---- the law of sampled tokens ---------------------------------------------------------------------------------------
+VOCAB, NEW = 6, 3
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = tiny_model("llama", seed=4, vocab=VOCAB, eos_token_id=None)
+    target.generation_config.eos_token_id = None
+    return target, perturbed(target, scale=0.4, seed=8)
+
+
+def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList) -> torch.Tensor:
+    """`[VOCAB ** NEW]` probability of every continuation of `NEW` tokens under `model` with `processors`."""
+    joint, prefixes = torch.ones(1, dtype=torch.float64), prompt.unsqueeze(0)
+    with torch.no_grad():
+        for _ in range(NEW):
+            logits = model(prefixes).logits[:, -1].double()
+            joint = (joint.unsqueeze(1) * processors(prefixes, logits).softmax(dim=-1)).reshape(-1)
+            prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(prefixes))[:, None]], 1)
+    return joint
+
+
+def chi_square_pvalue(codes: torch.Tensor, law: torch.Tensor) -> float:
+    """Pearson's test of `codes` (`[n]` continuation codes) against `law`; cells expecting fewer than 5 pooled."""
+    counts = torch.bincount(codes, minlength=law.shape[0]).double()
+    expected = law * codes.shape[0]
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    expected = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    if float(expected[-1]) == 0.0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(stats.chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue)
+
+
+SETTINGS = {
+    "temperature": dict(temperature=0.8, top_k=None, top_p=None),
+    "top-k": dict(temperature=1.0, top_k=3, top_p=None),
+    "top-p": dict(temperature=1.0, top_k=None, top_p=0.8),
+    "repetition penalty": dict(temperature=1.0, top_k=None, top_p=None, repetition_penalty=1.5),
+}
+
+
+def processors_for(settings: dict) -> LogitsProcessorList:
+    """The processors plain `generate` builds for `settings` (same order)."""
+    out = LogitsProcessorList()
+    if settings.get("repetition_penalty"):
+        out.append(RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"]))
+    if settings["temperature"] != 1.0:
+        out.append(TemperatureLogitsWarper(settings["temperature"]))
+    if settings["top_k"]:
+        out.append(TopKLogitsWarper(settings["top_k"]))
+    if settings["top_p"]:
+        out.append(TopPLogitsWarper(settings["top_p"]))
+    return out
+
+
+def coupled_codes(target, draft, prompt, settings: dict, n: int, seed: int) -> torch.Tensor:
+    """`[n]` codes of the `NEW` tokens that `n` rows with `prompt` sample (rows are indices 0 .. n - 1: n streams)."""
+    ids = prompt.unsqueeze(0).expand(n, -1)
+    out = hf_dynspec.generate(
+        target, input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=NEW,
+        assistant_model=draft, dynspec_config=DynSpecConfig(sampling="coupled", seed=seed, policy="static",
+                                                             num_speculative_tokens=2), **settings,
+    )
+    return (out[:, prompt.shape[0] :] * torch.tensor([VOCAB**2, VOCAB, 1])).sum(dim=1)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_coupled_samples_follow_the_target_joint_law(small_pair, name):
+    """Three consecutive tokens sampled through the loop with a draft: Pearson's test does not reject the exact law."""
+    target, draft = small_pair
+    prompt = torch.tensor([3, 4, 5, 3, 2])
+    law = exact_joint(target, prompt, processors_for(SETTINGS[name]))
+    codes = coupled_codes(target, draft, prompt, SETTINGS[name], n=6000, seed=11)
+    assert chi_square_pvalue(codes, law) > 1e-3
+
+
+def test_the_law_test_rejects_a_sampler_that_resamples_after_lenient_rejection(small_pair):
+    """Power check: SPEC-RL's rule (accept the old policy's token with min(1, p_new / p_old), else resample from
+    p_new, not from the residual) returns tokens that do not follow p_new; the same test with as many samples
+    rejects them."""
+    target, old = small_pair
+    prompt = torch.tensor([3, 4, 5, 3, 2])
+    processors = processors_for(SETTINGS["temperature"])
+    generator = torch.Generator().manual_seed(0)
+    n, rows = 6000, prompt.unsqueeze(0).repeat(6000, 1)
+    with torch.no_grad():
+        for _ in range(NEW):
+            p_new = processors(rows, target(rows).logits[:, -1].double()).softmax(-1)
+            p_old = processors(rows, old(rows).logits[:, -1].double()).softmax(-1)
+            proposed = torch.multinomial(p_old, 1, generator=generator)  # [n, 1]
+            ratio = (p_new.gather(1, proposed) / p_old.gather(1, proposed)).clamp(max=1.0)
+            accept = torch.rand((n, 1), generator=generator, dtype=torch.float64) < ratio
+            token = torch.where(accept, proposed, torch.multinomial(p_new, 1, generator=generator))
+            rows = torch.cat([rows, token], dim=1)
+    codes = (rows[:, prompt.shape[0] :] * torch.tensor([VOCAB**2, VOCAB, 1])).sum(dim=1)
+    assert chi_square_pvalue(codes, exact_joint(target, prompt, processors)) < 1e-6
+
+
+# ---- invariance --------------------------------------------------------------------------------------------------------
+def _sample(model, ids, mask, config: dict | None = None, **kwargs) -> torch.Tensor:
+    settings = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=24)
+    settings.update(kwargs)
+    config = DynSpecConfig(**{"sampling": "coupled", "seed": 3, **(config or {})})
+    return hf_dynspec.generate(model, input_ids=ids, attention_mask=mask, dynspec_config=config, **settings)
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    target = tiny_model("llama", seed=0, dtype=torch.float32, initializer_range=0.15)
+    return target, perturbed(target, scale=0.2)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    ids, mask = left_padded_prompts([5, 9, 5, 3, 7, 6], seed=1)
+    ids[2], mask[2] = ids[0], mask[0]  # a group: the same prompt twice (indices 0 and 1)
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def reference(pair32, batch):
+    """The loop without speculation."""
+    return _sample(pair32[0], *batch, {"num_speculative_tokens": 0}, prompt_lookup_num_tokens=1)
+
+
+PROPOSERS = {
+    "draft chain, static": ({"policy": "static"}, True, {}),
+    "draft chain, goodput": ({}, True, {}),
+    "draft chain, no lookahead": ({"policy": "static", "draft_lookahead": 0}, True, {}),
+    "draft tree": ({"policy": "static", "tree_node_budget": 6}, True, {}),
+    "prompt lookup": ({"policy": "static"}, False, {"prompt_lookup_num_tokens": 3}),
+    "lookup trie": ({"policy": "static", "tree_node_budget": 5}, False, {"prompt_lookup_num_tokens": 3}),
+    "hybrid": ({"policy": "static", "proposer": "hybrid"}, True, {}),
+    "no proposer named": ({}, False, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_samples_do_not_depend_on_the_proposer(pair32, batch, reference, name):
+    target, draft = pair32
+    config, uses_draft, kwargs = PROPOSERS[name]
+    out = _sample(target, *batch, config, assistant_model=draft if uses_draft else None, **kwargs)
+    assert torch.equal(out, reference)
+
+
+def test_samples_do_not_depend_on_the_proposer_suffix(pair32, batch, reference):
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="the suffix extra")
+    target, draft = pair32
+    assert torch.equal(_sample(target, *batch, {"policy": "static", "proposer": "suffix"}), reference)
+    out = _sample(target, *batch, {"policy": "static", "proposer": "suffix"}, assistant_model=draft)
+    assert torch.equal(out, reference)
+
+
+def test_samples_do_not_depend_on_the_batch(pair32, batch, reference):
+    """Rows reordered, split over two calls (the group kept together), or beside other prompts: the same tokens."""
+    target, draft = pair32
+    ids, mask = batch
+    width = ids.shape[1]
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    shuffled = _sample(target, ids[order], mask[order], {"policy": "static"}, assistant_model=draft)
+    assert torch.equal(shuffled[:, width:], reference[order, width:])
+    for part in (torch.tensor([0, 2, 3]), torch.tensor([1, 4, 5])):
+        alone = _sample(target, ids[part], mask[part], {"policy": "static"}, assistant_model=draft)
+        assert torch.equal(alone[:, width:], reference[part, width:])
+    other, other_mask = left_padded_prompts([4, 8], seed=9)
+    other = torch.cat([torch.zeros((2, width - other.shape[1]), dtype=torch.long), other], dim=1)
+    other_mask = torch.cat([torch.zeros((2, width - other_mask.shape[1]), dtype=torch.long), other_mask], dim=1)
+    wider = _sample(target, torch.cat([other, ids]), torch.cat([other_mask, mask]), {"policy": "static"},
+                    assistant_model=draft)
+    assert torch.equal(wider[2:, width:], reference[:, width:])
+
+
+def test_a_new_seed_samples_anew(pair32, batch, reference):
+    target, _ = pair32
+    out = _sample(target, *batch, {"num_speculative_tokens": 0, "seed": 4}, prompt_lookup_num_tokens=1)
+    assert not torch.equal(out, reference)
+
+
+def test_group_indices_sample_different_rows(reference):
+    assert not torch.equal(reference[0], reference[2])  # same prompt, indices 0 and 1
+
+
+def test_standard_sampling_is_unchanged_by_default(pair32, batch):
+    target, draft = pair32
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(hf_dynspec.generate(target, input_ids=batch[0], attention_mask=batch[1], do_sample=True,
+                                        max_new_tokens=12, assistant_model=draft,
+                                        dynspec_config=DynSpecConfig(policy="static")))
+    assert torch.equal(runs[0], runs[1])
