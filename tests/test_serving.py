@@ -145,6 +145,9 @@ def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers, t
         first = ask_all(port, model_dir)
         again = ask_all(port, model_dir)  # drafts from the first round's outputs
         stats = speculation_stats(log, 2 * 3 * len(PROMPTS))
+        client = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="`max_tokens` must be a positive integer"):
+            client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "w5"}], max_tokens=-5)
     assert first == plain_answers and again == plain_answers
     assert stats["requests"] == 2 * 3 * len(PROMPTS)
     assert stats["accepted"] > 0 and stats["free"] == stats["draft"]
