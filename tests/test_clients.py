@@ -44,6 +44,27 @@ def test_grpo_trains_with_a_bound_draft_and_with_a_lora_target(tmp_path):
         assert record["peft"] == model
 
 
+def _check_reuse(record: dict) -> None:
+    """Two epochs of coupled rollouts: the first finds nothing to reuse, the second reuses its own earlier samples."""
+    runs = record["runs"]
+    assert record["trained"] and all(run["coupled"] for run in runs)
+    half = len(runs) // 2
+    assert sum(run["rollout_rows"] for run in runs[:1]) == 0
+    second = runs[half:]
+    assert all(run["rollout_rows"] == run["rows"] for run in second), second
+    assert sum(run["reused_tokens"] for run in second) > 0.5 * sum(run["emitted_tokens"] - run["rows"] for run in second)
+
+
+def test_grpo_epochs_reuse_their_rollouts(tmp_path):
+    """TRL's GRPOTrainer, two epochs, a model enabled with coupled sampling and the rollout cache (no change to TRL):
+    the second epoch's rollouts take most of their tokens from the first epoch's samples, full and LoRA targets."""
+    runs = _run([sys.executable, str(WORKER), str(tmp_path), "reuse", "reuse-lora"], tmp_path)
+    for kind in ("reuse", "reuse-lora"):
+        (record,) = runs[kind]
+        assert record["steps"] == 8
+        _check_reuse(record)
+
+
 def test_grpo_rollouts_through_continuous_batching_speculate(tmp_path):
     """TRL's `use_transformers_continuous_batching` rollouts (`model.generate_batch`) of an enabled model speculate
     from suffix trees: the sibling samples of each prompt and the earlier steps' outputs."""
@@ -56,12 +77,15 @@ def test_grpo_under_accelerate_launch_on_two_processes(tmp_path):
     # processes join a gloo group (`--cpu` would launch a single process)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(WORKER), str(tmp_path), "full"]
-    records = _run(command, tmp_path)["full"]
+               str(WORKER), str(tmp_path), "full", "reuse"]
+    runs = _run(command, tmp_path)
+    records = runs["full"]
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
     for record in records:
         _check_rollouts(record)
+    for record in runs["reuse"]:  # a group lands on either rank next epoch: the ranks share their samples
+        _check_reuse(record)
 
 
 # ---- lm-evaluation-harness ------------------------------------------------------------------------------------------

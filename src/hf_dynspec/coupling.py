@@ -164,8 +164,17 @@ def stream_keys(
 
 def _lower_ranks_counts(digests: list[bytes]) -> dict[bytes, int]:
     """Per prompt digest, how many rows with that prompt the lower ranks of a data-parallel run hold (`{}` alone)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    gathered = gather_from_ranks(digests)
+    if len(gathered) == 1:
         return {}
-    gathered: list[list[bytes] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, digests)
-    return dict(Counter(d for rank_digests in gathered[: dist.get_rank()] for d in rank_digests or []))
+    return dict(Counter(d for rank_digests in gathered[: dist.get_rank()] for d in rank_digests))
+
+
+def gather_from_ranks(items: list) -> list[list]:
+    """Every rank's `items` (picklable), in rank order: `[items]` in a single process. A collective: in a run of
+    several processes every rank must call it together."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [items]
+    gathered: list[list | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [rank_items or [] for rank_items in gathered]

@@ -224,7 +224,9 @@ class _Run:
                 "tokenizer (no `assistant_tokenizer`)."
             )
         cache = rollout_cache_for(self.model, RolloutSettings.from_config(self.config))
-        rollout = RolloutProposer(cache, self.streams, self.config.prompt_lookup_max_tokens)
+        rollout = RolloutProposer(
+            cache, self.streams, self.config.prompt_lookup_max_tokens, across_ranks=not self.decisions.enabled
+        )
         if draft is None:
             return rollout
         model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..coupling import gather_from_ranks
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
 from .prompt_lookup import PromptLookupProposer
@@ -111,17 +112,25 @@ class RolloutProposer(PromptLookupProposer):
 
     Proposed deterministically (`Proposal.probs` is `None`) and verified by equality with the target's perturbed
     argmax (or its argmax, in greedy decoding): a stale response (another model, another prompt, another seed) costs
-    verify width, never a wrong token. Finished rows store their responses in the cache.
+    verify width, never a wrong token. Finished rows store their responses in the cache; in a data-parallel run of
+    several processes every rank stores every rank's responses at the end of the call (a prompt's group may land on
+    another rank next epoch), so every rank must generate together, as TRL's trainers do.
     """
 
-    def __init__(self, cache: RolloutCache, streams: torch.LongTensor, num_output_tokens: int = 10) -> None:
+    def __init__(
+        self, cache: RolloutCache, streams: torch.LongTensor, num_output_tokens: int = 10, across_ranks: bool = True
+    ) -> None:
         """
         Args:
             cache: the target model's rollout cache.
             streams: `[rows]` the stream of each row of the batch `generate` received (`coupling.stream_keys`).
+            across_ranks: share the call's responses with the other ranks of a data-parallel run (not with the ranks of
+                a tensor-parallel target, which decode the same rows).
         """
         super().__init__(num_output_tokens=num_output_tokens)
         self.cache = cache
+        self.across_ranks = across_ranks
+        self._stored: list[tuple[int, list[int]]] = []  # this call's (stream, response), to share across ranks
         self.streams = streams.cpu().tolist()
         self._earlier: list[torch.LongTensor | None] = []  # per row id: its stream's earlier response
         self._offer: tuple[list[torch.LongTensor], torch.LongTensor] | None = None  # this step's `free_lengths`
@@ -129,6 +138,7 @@ class RolloutProposer(PromptLookupProposer):
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
         self._earlier = [self.cache.get(stream) for stream in self.streams]
+        self._stored = []
 
     @property
     def found_rows(self) -> int:
@@ -139,6 +149,17 @@ class RolloutProposer(PromptLookupProposer):
         for row in done.tolist():
             response = batch.tokens[row, batch.prompt_width : batch.prompt_width + int(batch.num_generated[row])]
             self.cache.store(self.streams[int(batch.row_ids[row])], response)
+            self._stored.append((self.streams[int(batch.row_ids[row])], response.tolist()))
+
+    def release(self) -> None:
+        """At the end of the call: store the other ranks' responses too (data-parallel runs)."""
+        if not self.across_ranks:
+            return
+        gathered = gather_from_ranks(self._stored)
+        for rank_items in gathered if len(gathered) > 1 else []:
+            for stream, response in rank_items:
+                self.cache.store(stream, torch.tensor(response, dtype=torch.long))
+        self._stored = []
 
     # ---- proposals ---------------------------------------------------------------------------------------------------
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
