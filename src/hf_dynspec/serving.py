@@ -162,8 +162,8 @@ def speculation_line(stats: SpeculationStats) -> str:
     return (
         f"Speculation: {stats.requests} requests, {stats.draft_tokens} draft tokens "
         f"({stats.free_tokens} model-free), {stats.accepted_tokens} accepted ({100 * stats.acceptance_rate:.0f}%), "
-        f"{per_step:.2f} tokens per decoding step, {stats.forward_seconds:.1f} s in forwards, "
-        f"{stats.draft_seconds:.1f} s drafting, {stats.unfinished} requests cancelled or failed"
+        f"{per_step:.2f} tokens per decoding step, {stats.forward_seconds:.2f} s in forwards, "
+        f"{stats.draft_seconds:.2f} s drafting, {stats.unfinished} requests cancelled or failed"
     )
 
 

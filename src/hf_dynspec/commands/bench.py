@@ -9,6 +9,7 @@ hf-dynspec bench --scenario rollout --out rollout.json --plots plots/
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
 hf-dynspec bench --scenario offload --out offload.json
 hf-dynspec bench --scenario serve --out serve.json --plots plots/
+hf-dynspec bench --scenario serve --through server --num-prompts 4 --methods cb-plain,cb-draft --out served.json
 hf-dynspec bench --draft qwen2.5-coder-0.5b@8bit --target-dtype bfloat16 --batch-sizes 1
 hf-dynspec bench --target-dtype float32 --batch-sizes 1 --methods plain,dynspec-goodput/fp32,dynspec-goodput/4bit
 ```
@@ -141,6 +142,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rates", type=_rate_list,
                         help="Serve scenario: comma-separated request rates per second, or shares of the plain "
                              "manager's measured capacity written 0.5x (default 0.25x,0.5x,1x,2x).")
+    parser.add_argument("--through", choices=("engine", "server"), default="engine",
+                        help="Serve scenario: 'engine' sends the trace to continuous-batching managers in this "
+                             "process; 'server' starts each method as a server (plain `transformers serve` for "
+                             "cb-plain, `hf-dynspec serve` for the others) and sends it over loopback HTTP, after the "
+                             "same requests at once through generate, continuous batching and the server.")
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--warmup-tokens", type=int, default=8, help="Tokens of the untimed warm-up run (0: none).")
     parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
@@ -223,11 +229,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_serve(settings, args: argparse.Namespace) -> int:
-    """The serve scenario: its table, JSON and latency/TPOT plot."""
+    """The serve scenario: its tables, JSON and latency/TPOT plot."""
     from ..evaluation.serve import plot_serve, run_serve, serve_table
 
-    results = run_serve(settings, progress=not args.quiet)
-    print(serve_table(results))
+    if args.through == "server":
+        import tempfile
+
+        from ..evaluation.serve_http import burst_table, run_serve_through_servers, server_table
+
+        with tempfile.TemporaryDirectory(prefix="hf-dynspec-serve-") as folder:
+            results = run_serve_through_servers(settings, Path(folder), progress=not args.quiet)
+        print(f"{burst_table(results)}\n\n{server_table(results)}")
+    else:
+        results = run_serve(settings, progress=not args.quiet)
+        print(serve_table(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

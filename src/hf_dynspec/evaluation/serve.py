@@ -87,20 +87,30 @@ class ServeMethod:
             )
         else:
             from ..candidates.suffix import clear_suffix_caches
-            from ..config import DynSpecConfig
             from ..continuous import init_continuous_batching
 
             clear_suffix_caches(model)  # every run starts from an empty cache: the trace's prompts repeat across runs
-            config = DynSpecConfig(num_speculative_tokens=self.tokens, policy=self.policy,
-                                   proposer="suffix" if self.proposer.startswith("suffix") else "auto",
-                                   tree_node_budget=self.tree_nodes)
-            lookup = self.tokens if self.proposer == "lookup" else None
             manager = init_continuous_batching(
-                model, draft if self.needs_draft else None, prompt_lookup_num_tokens=lookup,
-                dynspec_config=config, generation_config=generation_config, continuous_batching_config=cb_config,
+                model, generation_config=generation_config, continuous_batching_config=cb_config,
+                **self.speculation(draft),
             )
         manager.start()
         return manager
+
+    def dynspec_config(self) -> dict[str, Any]:
+        """The `DynSpecConfig` settings of a speculating method."""
+        return {"num_speculative_tokens": self.tokens, "policy": self.policy,
+                "proposer": "suffix" if self.proposer and self.proposer.startswith("suffix") else "auto",
+                "tree_node_budget": self.tree_nodes}
+
+    def speculation(self, draft: Any = None) -> dict[str, Any]:
+        """What `hf_dynspec.generate`, `generate_batch` and `init_continuous_batching` take to speculate as this
+        method does: `assistant_model`, `prompt_lookup_num_tokens` and `dynspec_config`."""
+        from ..config import DynSpecConfig
+
+        return {"assistant_model": draft if self.needs_draft else None,
+                "prompt_lookup_num_tokens": self.tokens if self.proposer == "lookup" else None,
+                "dynspec_config": DynSpecConfig(**self.dynspec_config())}
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
@@ -325,6 +335,13 @@ def plot_serve(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def cb_config_for(prompts: list[list[int]], max_new_tokens: int, page: int = 64) -> dict[str, Any]:
+    """`ContinuousBatchingConfig` settings with a paged cache for every request at once (pages of `page` tokens)."""
+    longest = max(len(prompt) for prompt in prompts) + max_new_tokens
+    return {"page_size": page, "num_blocks": len(prompts) * (math.ceil(longest / page) + 1),
+            "max_batch_tokens": 1024, "use_async_batching": False}
+
+
 def run_serve(settings: Any, progress: bool = True) -> dict[str, Any]:
     """The serve scenario for bench settings (`hf_dynspec.evaluation.bench.BenchSettings`): the target alone, its
     prompts, a paged cache sized for every request at once, and the run's configuration and machine."""
@@ -336,10 +353,7 @@ def run_serve(settings: Any, progress: bool = True) -> dict[str, Any]:
     if not any(method.name == "cb-plain" for method in methods):
         methods.insert(0, ServeMethod.parse("cb-plain"))
     model, draft, prompts = load_inputs(settings, need_draft=any(method.needs_draft for method in methods))
-    page = 64
-    longest = max(len(prompt) for prompt in prompts) + settings.max_new_tokens
-    cb_config = {"page_size": page, "num_blocks": len(prompts) * (math.ceil(longest / page) + 1),
-                 "max_batch_tokens": 1024, "use_async_batching": False}
+    cb_config = cb_config_for(prompts, settings.max_new_tokens)
     results = run_serve_benchmark(
         model, prompts, methods, max_new_tokens=settings.max_new_tokens, rates=settings.rates,
         repetitions=settings.repetitions, seed=settings.seed, cb_config=cb_config, progress=progress, draft=draft,
