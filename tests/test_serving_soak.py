@@ -91,6 +91,27 @@ def test_a_soak_leaves_no_blocks_no_growing_memory_and_the_same_greedy_answers(s
     assert greedy_answer(url) == before
 
 
+def test_a_served_gguf_file_loads_dequantized(monkeypatch, tmp_path):
+    """As the benchmarks load it: transformers' loader would keep its weights in GGUF blocks."""
+    from transformers import GgufConfig
+    from transformers.cli.serving.model_manager import ModelLoader
+
+    from hf_dynspec.serving import SpeculatingLoader, Speculation
+
+    asked = []
+    monkeypatch.setattr(ModelLoader, "load_processor", lambda self, model_id: None)
+    monkeypatch.setattr(ModelLoader, "_load_model", lambda self, model_id, **_: asked.append(
+        (model_id, self.get_quantization_config())) or "model")
+    monkeypatch.setattr(Speculation, "apply", lambda self, model: None)
+    gguf = f"{tmp_path}:model-q8_0.gguf"
+    loader = SpeculatingLoader.adopt(ModelLoader(device="cpu"), Speculation(2, None), {NAME: gguf})
+    assert loader.load_model_and_processor(f"{NAME}@main") == ("model", None)
+    assert loader.load_model_and_processor(str(tmp_path)) == ("model", None)
+    (first, dequantized), (second, none) = asked
+    assert first == gguf and isinstance(dequantized, GgufConfig) and dequantized.dequantize
+    assert second == str(tmp_path) and none is None
+
+
 def visit(url: str, index: int, rng: random.Random) -> int | str:
     """Client `index` of a round: a request of kind `KINDS[index % 7]` on a random prompt. Returns the answer's
     status, or how the client left."""

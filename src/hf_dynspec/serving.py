@@ -39,7 +39,7 @@ try:  # transformers >= 5.25 loads the served model in a process of its own, thr
     from transformers.cli.serving.model_manager import EngineClient as _EngineClient
     from transformers.cli.serving.model_manager import ModelLoader as _ModelLoader
     from transformers.cli.serving.model_manager import ModelManager as _ModelManager
-    from transformers.cli.serving.utils import canonical_model_id, prompt_length
+    from transformers.cli.serving.utils import canonical_model_id, parse_model_id, prompt_length
 except ImportError:  # older releases (in-process loading), or no serving extras
     _ModelLoader = None
 
@@ -274,9 +274,22 @@ if _ModelLoader is not None:  # transformers >= 5.25: the served model loads in 
             return adopted
 
         def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> tuple[PreTrainedModel, Any]:
-            model, processor = super().load_model_and_processor(self.locations.get(model_id, model_id), on_progress)
+            location = self.locations.get(model_id, model_id)
+            self.gguf = parse_model_id(location)[2] is not None
+            model, processor = super().load_model_and_processor(location, on_progress)
             self.speculation.apply(model)
             return model, processor
+
+        def get_quantization_config(self) -> Any:
+            """transformers' (bitsandbytes, with `quantization`); for a GGUF file without it, its weights
+            dequantized as they load, as the benchmarks load them (kept in GGUF blocks, they may be unpacked in every
+            forward, which costs a CPU more than the forward itself)."""
+            config = super().get_quantization_config()
+            if config is None and getattr(self, "gguf", False):
+                from transformers import GgufConfig
+
+                return GgufConfig(dequantize=True)
+            return config
 
         def load_config(self, model_id: str) -> Any:
             return super().load_config(self.locations.get(model_id, model_id))
