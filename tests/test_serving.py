@@ -177,9 +177,11 @@ def test_serve_command_line_maps_to_transformers_serve_options():
                          "continuous_batching": True, "stats_interval": 10.0, "served_model_name": None, "port": 8123,
                          "cb_num_blocks": 32,
                          "device": "cpu"}
-    command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b", "--proposer", "hybrid"]
+    command = ["serve", "--continuous-batching", "--draft", "qwen2.5-coder-0.5b", "--proposer", "hybrid",
+               "--served-model-name", "coder"]
     pair = serve_arguments(build_parser().parse_args(command))
     assert pair["model"] == "qwen2.5-coder-1.5b" and pair["assistant_model"] == "qwen2.5-coder-0.5b"
+    assert pair["served_model_name"] == "coder"
     assert pair["dynspec_config"].proposer == "hybrid"
 
 
@@ -190,6 +192,8 @@ def test_serve_needs_a_proposer():
         serve("some/model", prompt_lookup_num_tokens=0)
     with pytest.raises(ValueError, match="stats_interval"):
         serve("some/model", prompt_lookup_num_tokens=2, stats_interval=0)
+    with pytest.raises(ValueError, match="served_model_name"):
+        serve("some/model", prompt_lookup_num_tokens=2, served_model_name=" ")
 
 
 def test_a_registry_draft_loads_with_its_variant_in_the_served_dtype(monkeypatch):
