@@ -56,10 +56,12 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 
 from .candidates.draft_model import MAX_INLINE_TAIL
 from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
+from .candidates.rollout import RolloutSettings, rollout_cache_for
 from .candidates.suffix import SuffixCache, SuffixSettings, chain_confidence, cut_tree, suffix_cache_for
 from .candidates.tree import TokenTree
 from .candidates.trie import lookup_trie
 from .config import DynSpecConfig
+from .coupling import StreamBook, perturb
 from .loop import _parameter_ratio, _policy_for
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .validation import check_vocabularies
@@ -93,6 +95,10 @@ class RequestProposer(ABC):
 
     def open(self, manager: ContinuousBatchingManager) -> None:
         """The manager built its batch processor (its paged cache and resolved settings)."""
+
+    def couple(self, streams: StreamBook, temperature: float) -> None:
+        """Coupled sampling: a draft model drafts its perturbed argmax (`DraftModelRequests.couple`); model-free
+        proposers propose fixed tokens anyway."""
 
     def close(self) -> None:
         """The manager stopped: every request has finished (`finish`)."""
@@ -222,6 +228,40 @@ class SuffixRequests(ModelFreeRequests):
             self._written[request_id] = len(tokens)
 
 
+class RolloutRequests(ModelFreeRequests):
+    """The rollout cache (`hf_dynspec.candidates.rollout`): each request offers the tokens its stream's earlier
+    response holds from the request's own position on; a finished request stores its response."""
+
+    def __init__(self, cache, streams: StreamBook, max_free_tokens: int) -> None:
+        super().__init__()
+        self.cache, self.streams = cache, streams
+        self.max_free_tokens = max_free_tokens  # offers cost no draft forward: not held to the draft model's cap
+        self._requests: dict[str, tuple[int, int]] = {}  # request id -> its stream and its prompt's length
+
+    def start(self, request_id: str, prompt: list[int]) -> None:
+        self._requests[request_id] = (self.streams.assign(request_id, prompt), len(prompt))
+
+    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
+        stream, prompt = self._requests[request_id]
+        earlier = self.cache.get(stream)
+        if earlier is None:
+            return [], 0, None
+        own = torch.tensor(tokens[prompt:], dtype=torch.long)  # [generated]
+        found = earlier[own.shape[0] : own.shape[0] + max_tokens].tolist()
+        shared = min(own.shape[0], earlier.shape[0])
+        differs = (own[:shared] != earlier[:shared]).nonzero()
+        if not differs.numel():
+            anchor = min(len(tokens), MAX_ANCHOR) if shared == own.shape[0] else 0
+        else:
+            anchor = min(shared - 1 - int(differs[-1]), MAX_ANCHOR)
+        return found, anchor, None
+
+    def finish(self, request_id: str, tokens: list[int] | None) -> None:
+        stream, prompt = self._requests.pop(request_id, (None, 0))
+        if tokens is not None and stream is not None:
+            self.cache.store(stream, torch.tensor(tokens[prompt:], dtype=torch.long))
+
+
 @dataclass
 class _DraftSequence:
     """A request as the draft model holds it in its paged cache."""
@@ -254,6 +294,12 @@ class DraftModelRequests(RequestProposer):
         self._processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())
         self._sequences: dict[str, _DraftSequence] = {}
         self._attention: str | None = None  # the draft's attention implementation before it was made paged
+        self._coupling: tuple[StreamBook, float] | None = None  # coupled sampling's streams, and the temperature
+
+    def couple(self, streams: StreamBook, temperature: float) -> None:
+        """Coupled sampling: draft each token as the perturbed argmax of the draft's logits over `temperature`, under
+        the noise the target samples that position with."""
+        self._coupling = (streams, temperature)
 
     def open(self, manager: ContinuousBatchingManager) -> None:
         if self.cache is not None:
@@ -324,12 +370,15 @@ class DraftModelRequests(RequestProposer):
             del seen[_common_prefix(seen, request.tokens) :]  # positions the target rejected are rewritten
         self._catch_up([r for r in drafting if self._backlog(r) > MAX_INLINE_TAIL])
         drafted: dict[str, list[tuple[list[int], list[float]]]] = {r.request_id: [] for r in drafting}
+        generated = {r.request_id: len(r.tokens) - len(self._sequences[r.request_id].state.initial_tokens)
+                     for r in drafting}
         feeds = [(r.request_id, self._unseen(r)) for r in drafting if self._backlog(r) <= MAX_INLINE_TAIL]
         while feeds:
             feeds = [(request_id, tokens) for request_id, tokens in feeds if self._fits(request_id, len(tokens))]
             if not feeds:
                 break
-            logits = self._forward(feeds)  # [fed requests, vocab]
+            positions = [generated[r] + len(drafted[r]) for r, _ in feeds]  # response position each drafts
+            logits = self._perturbed(self._forward(feeds), [r for r, _ in feeds], positions)  # [fed, vocab]
             if width == 1:
                 tokens, log_probs = logits.argmax(-1, keepdim=True), torch.zeros(len(feeds), 1)  # [fed requests, 1]
             else:
@@ -338,6 +387,15 @@ class DraftModelRequests(RequestProposer):
                 drafted[request_id].append((top, logs))
             feeds = [(i, drafted[i][-1][0][:1]) for i, _ in feeds if len(drafted[i]) < wanted[i]]
         return [drafted.get(r.request_id, []) for r in requests]
+
+    def _perturbed(self, logits: torch.Tensor, request_ids: list[str], positions: list[int]) -> torch.Tensor:
+        """Under coupled sampling, `logits` (`[fed requests, vocab]`) over the temperature plus the noise each fed
+        request samples its response position (`positions`) with; unchanged otherwise."""
+        if self._coupling is None:
+            return logits
+        streams, temperature = self._coupling
+        keys = [streams.assign(r, self._sequences[r].state.initial_tokens) for r in request_ids]
+        return perturb(logits.float() / temperature, torch.tensor(keys), torch.tensor(positions))
 
     def _unseen(self, request: DraftRequest) -> list[int]:
         return request.tokens[len(self._sequences[request.request_id].seen) :]
@@ -424,6 +482,9 @@ class HybridRequests(RequestProposer):
 
     def open(self, manager: ContinuousBatchingManager) -> None:
         self.draft.open(manager)
+
+    def couple(self, streams: StreamBook, temperature: float) -> None:
+        self.draft.couple(streams, temperature)
 
     def close(self) -> None:
         self.draft.close()
@@ -564,8 +625,10 @@ class Speculator:
         policy: DraftLengthPolicy,
         max_draft_tokens: int,
         max_tree_nodes: int = 0,
+        streams: StreamBook | None = None,
     ) -> None:
         self.target = target
+        self.streams = streams  # coupled sampling's streams of the requests (`None`: the standard sampler)
         self.proposer = proposer
         self.policy = policy
         self.max_draft_tokens = max_draft_tokens
@@ -658,6 +721,8 @@ class Speculator:
             finished = state.status == RequestStatus.FINISHED
             self.proposer.finish(request_id, state.initial_tokens + state.generated_tokens if finished else None)
             self.stats.unfinished += int(not finished)
+            if self.streams is not None:
+                self.streams.release(request_id)
             if request_id in self._slots:
                 self._free_slots.append(self._slots.pop(request_id))
         for state in active.values():
@@ -814,6 +879,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         processor.__class__ = cls
         processor.speculator = speculator
         processor._scores = None
+        processor.coupled = speculator.streams is not None and bool(processor.do_sample)
         return processor
 
     def prepare_next_batch(self) -> bool:
@@ -825,7 +891,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
     @torch.no_grad()
     def _generation_step(self, model: torch.nn.Module) -> None:
         start = time.perf_counter()
-        if self.speculator.drafting:
+        if self.speculator.drafting or self.coupled:  # coupled sampling samples every request itself
             self._verify_forward(model)
         else:
             super()._generation_step(model)
@@ -909,7 +975,9 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         verified = self._verify(drafting)
         self._move_accepted([(future, result.path) for (future, _, _), result in zip(drafting, verified)])
         outputs = [self._emit(future, result) for (future, _, _), result in zip(drafting, verified)]
-        if plain_rows:  # transformers' sampler writes their tokens (and log-probabilities) where its update reads them
+        if plain_rows and self.coupled:
+            self._sample_coupled(scores[plain_rows], [future for future in others if future.has_new_token])
+        elif plain_rows:  # transformers' sampler writes their tokens (and log-probabilities) where its update reads them
             self.model_runner._sample(scores[plain_rows].unsqueeze(0), self.inputs_and_outputs.output_ids)
         self._hand_over(others)
         delivered = [output for output in outputs if output is not None]
@@ -917,8 +985,35 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             self.output_router.deliver_batch(delivered)
         return {future.state.request_id: result.accepted for (future, _, _), result in zip(drafting, verified)}
 
+    def _sample_coupled(self, scores: torch.Tensor, futures: list[FutureRequestState]) -> None:
+        """Coupled sampling of the requests without a draft (`scores`: `[requests, vocab]` processed, in the order
+        of `futures`): their perturbed argmax, written where transformers' update reads sampled tokens (and their
+        log-probabilities, as its sampler writes them)."""
+        positions = torch.tensor([future.state.generated_len() for future in futures])  # [requests]
+        tokens = perturb(scores, self._streams_of(futures), positions).argmax(dim=-1)  # [requests]
+        output_ids = self.inputs_and_outputs.output_ids
+        output_ids[0, : tokens.shape[0]].copy_(tokens)
+        if self.return_logprobs:
+            logprobs = scores.float().log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            output_ids[1, : tokens.shape[0]].copy_(logprobs.view(dtype=torch.int32))
+
+    def _streams_of(self, futures: list[FutureRequestState]) -> torch.LongTensor:
+        """`[requests]` each request's stream of coupled sampling."""
+        book = self.speculator.streams
+        return torch.tensor([book.assign(f.state.request_id, f.state.initial_tokens) for f in futures])
+
+    def _perturbed(
+        self, scores: torch.Tensor, futures: list[FutureRequestState], depths: torch.LongTensor
+    ) -> torch.Tensor:
+        """`scores` (`[requests, nodes, vocab]`) plus the noise of each node's response position (the request's
+        generated tokens plus the node's depth, `depths` `[requests, nodes]`)."""
+        generated = torch.tensor([future.state.generated_len() for future in futures])  # [requests]
+        positions = generated.unsqueeze(1) + depths
+        return perturb(scores, self._streams_of(futures).unsqueeze(1).expand_as(positions), positions)
+
     def _verify(self, drafting: list[tuple[FutureRequestState, list[int], torch.Tensor]]) -> list[_Verified]:
-        """Greedy matching or rejection sampling of every drafting request's draft, in one batch."""
+        """Greedy matching or rejection sampling of every drafting request's draft, in one batch (coupled sampling:
+        greedy matching of the perturbed scores)."""
         if not drafting:
             return []
         if any(self.speculator.rows[future.state.request_id].parents is not None for future, _, _ in drafting):
@@ -932,7 +1027,11 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             drafts[i, : len(draft)] = torch.tensor(draft)
         lengths = torch.tensor([len(draft) for _, draft, _ in drafting], dtype=torch.long)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [requests, k + 1, vocab]
-        if self.do_sample:
+        if self.coupled:
+            depths = torch.arange(width + 1).expand(len(drafting), -1)
+            perturbed = self._perturbed(scores, [future for future, _, _ in drafting], depths)
+            accepted, next_tokens = verify_greedy(perturbed, drafts, lengths)
+        elif self.do_sample:
             accepted, next_tokens = verify_sampling(probs, drafts, lengths, None)
         else:
             accepted, next_tokens = verify_greedy(scores, drafts, lengths)
@@ -960,7 +1059,11 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         for i, (_, _, request_scores) in enumerate(drafting):
             scores[i, : request_scores.shape[0]] = request_scores
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [requests, nodes, vocab]
-        outcome = verify_tree_sampling(probs, tree, None) if self.do_sample else verify_tree_greedy(scores, tree)
+        if self.coupled:
+            perturbed = self._perturbed(scores, [future for future, _, _ in drafting], tree.depths)
+            outcome = verify_tree_greedy(perturbed, tree)
+        else:
+            outcome = verify_tree_sampling(probs, tree, None) if self.do_sample else verify_tree_greedy(scores, tree)
         results = []
         for i in range(len(drafting)):
             a = int(outcome.accepted[i])
@@ -1050,6 +1153,27 @@ class SpeculativeManager(ContinuousBatchingManager):
     def speculation(self) -> SpeculationStats:
         return self.speculator.stats
 
+    def add_request(self, input_ids: list[int], request_id: str | None = None, *args: Any, **kwargs: Any) -> str | None:
+        """transformers' `add_request`; under coupled sampling the request's stream is assigned now, in the order
+        requests arrive (`coupling.StreamBook`: samples of one prompt added together are its indices 0, 1, ...)."""
+        streams = self.speculator.streams
+        if streams is None:
+            return super().add_request(input_ids, request_id, *args, **kwargs)
+        if request_id is None:  # named here, as transformers would, so the stream is assigned before it can run
+            with self._request_lock:
+                request_id = f"req_{self._request_counter}"
+                self._request_counter += 1
+        streams.assign(request_id, list(input_ids))
+        added = super().add_request(input_ids, request_id, *args, **kwargs)
+        if added is None:
+            streams.release(request_id)
+        return added
+
+    def cancel_request(self, request_id: str) -> None:
+        super().cancel_request(request_id)
+        if self.speculator.streams is not None and request_id not in self.speculator.rows:
+            self.speculator.streams.release(request_id)  # a request cancelled before it decoded
+
     def held_blocks(self) -> dict[str, dict[str, int]]:
         """The blocks each request holds in the target's paged cache and, with a draft model, in the draft's: by
         cache (`"target"`, `"draft"`), by request id. Finished and cancelled requests hold none."""
@@ -1074,6 +1198,9 @@ class SpeculativeManager(ContinuousBatchingManager):
         finally:
             config.max_memory_percent = budget
         self.speculator.proposer.open(self)
+        if processor.coupled:
+            self.speculator.proposer.couple(self.speculator.streams, float(self.generation_config.temperature or 1.0))
+            _release_streams_when_finished(processor.output_router, self.speculator.streams)
         return processor
 
     def stop(self, *args, **kwargs) -> None:
@@ -1081,6 +1208,20 @@ class SpeculativeManager(ContinuousBatchingManager):
         if not self.is_running():
             self.speculator.finish_all()
             self.speculator.proposer.close()
+
+
+def _release_streams_when_finished(router: Any, streams: StreamBook) -> None:
+    """Free a finished request's stream index before its output reaches the caller: the caller may request the same
+    prompt again at once, which must find the same stream (`StreamBook`)."""
+    deliver_batch = router.deliver_batch
+
+    def deliver_releasing(outputs: list[GenerationOutput]) -> None:
+        for output in outputs:
+            if output.status == RequestStatus.FINISHED:
+                streams.release(output.request_id)
+        deliver_batch(outputs)
+
+    router.deliver_batch = deliver_releasing
 
 
 def held_blocks(cache: PagedAttentionCache | None) -> dict[str, int]:
@@ -1172,11 +1313,19 @@ def init_continuous_batching(
     generation_config = generation_config if generation_config is not None else model.generation_config
     if getattr(generation_config, "num_beams", 1) not in (None, 1):
         raise ValueError("Continuous batching does not run beam search: set `num_beams=1`.")
+    if config.reuse_rollouts and prompt_lookup_num_tokens is not None:
+        raise ValueError(
+            "DynSpecConfig(reuse_rollouts=True) proposes from the rollout cache (beside the assistant model, if one is "
+            "given); drop `prompt_lookup_num_tokens`."
+        )
     proposer, max_draft = _request_proposer(model, config, prompt_lookup_num_tokens, assistant_model)
     policy = _policy_for(model, proposer.model, config, None, engine="continuous_batching")
     if config.tree_node_budget:
         _check_tree_attention(model)
-    speculator = Speculator(model, proposer, policy, max_draft, config.tree_node_budget)
+    streams = StreamBook(config.seed) if config.sampling == "coupled" else None
+    speculator = Speculator(model, proposer, policy, max_draft, config.tree_node_budget, streams)
+    if config.reuse_rollouts:
+        _reuse_rollouts(speculator, model, config)
     return SpeculativeManager(
         model,
         generation_config,
@@ -1184,6 +1333,23 @@ def init_continuous_batching(
         workload_hints,
         speculator=speculator,
     )
+
+
+def _reuse_rollouts(speculator: Speculator, model: PreTrainedModel, config: DynSpecConfig) -> None:
+    """Give the speculator's proposer the rollout cache: alone, or beside a draft model (`HybridRequests`)."""
+    if config.tree_node_budget or config.proposer != "auto":
+        raise ValueError(
+            "DynSpecConfig(reuse_rollouts=True) proposes chains from the rollout cache, beside the assistant model "
+            "when one is given: set `tree_node_budget=0` and proposer='auto'."
+        )
+    proposer = speculator.proposer
+    cache = rollout_cache_for(model, RolloutSettings.from_config(config))
+    rollouts = RolloutRequests(cache, speculator.streams, config.prompt_lookup_max_tokens)
+    if isinstance(proposer, DraftModelRequests):
+        speculator.proposer = HybridRequests(rollouts, proposer, config.prompt_lookup_max_tokens)
+    else:
+        speculator.proposer = rollouts
+        speculator.max_draft_tokens = config.num_speculative_tokens
 
 
 def _request_proposer(
@@ -1207,6 +1373,8 @@ def _request_proposer(
             f"DynSpecConfig(proposer={config.proposer!r}) needs a draft model: pass `assistant_model`, or use "
             "proposer='auto' with `prompt_lookup_num_tokens`, or proposer='suffix'."
         )
+    if prompt_lookup_num_tokens is None and (config.reuse_rollouts or config.sampling == "coupled"):
+        prompt_lookup_num_tokens = config.prompt_lookup_max_tokens  # a proposer of the config's own
     if prompt_lookup_num_tokens is None:
         raise ValueError(
             "Say where draft tokens come from: `assistant_model` (a draft model), `prompt_lookup_num_tokens=N` "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
@@ -178,3 +179,40 @@ def gather_from_ranks(items: list) -> list[list]:
     gathered: list[list | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
     return [rank_items or [] for rank_items in gathered]
+
+
+class StreamBook:
+    """Streams of requests that arrive one at a time (continuous batching): a request's index is the lowest one that
+    no other request in flight with the same prompt holds, so concurrent samples of a prompt are indices
+    `0, 1, ...` (a GRPO group added together), and a prompt requested again after its earlier requests finished
+    finds the same streams again (the next epoch's group)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._held: dict[bytes, set[int]] = {}  # per prompt digest: the indices of requests in flight
+        self._streams: dict[str, tuple[bytes, int, int]] = {}  # request id -> (digest, index, stream)
+        self._lock = threading.Lock()  # requests are added from the caller's thread, sampled in the manager's
+
+    def assign(self, request_id: str, prompt: Sequence[int]) -> int:
+        """The stream of `request_id` (given its prompt's token ids), assigned on first sight."""
+        with self._lock:
+            if request_id not in self._streams:
+                digest = prompt_digest(prompt)
+                held = self._held.setdefault(digest, set())
+                index = next(i for i in range(len(held) + 1) if i not in held)
+                held.add(index)
+                self._streams[request_id] = (digest, index, stream_of(self.seed, digest, index))
+            return self._streams[request_id][2]
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was cancelled: its index is free for the prompt's next request."""
+        with self._lock:
+            entry = self._streams.pop(request_id, None)
+            if entry is not None:
+                held = self._held[entry[0]]
+                held.discard(entry[1])
+                if not held:
+                    del self._held[entry[0]]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
