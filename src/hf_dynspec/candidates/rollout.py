@@ -83,6 +83,10 @@ class RolloutCache:
             _, oldest = self._responses.popitem(last=False)
             self._tokens -= int(oldest.shape[0])
 
+    def responses(self) -> dict[int, torch.LongTensor]:
+        """Every response kept, by stream (a snapshot: storing more changes the cache, not this dict)."""
+        return dict(self._responses)
+
     def clear(self) -> None:
         self._responses.clear()
         self._tokens = 0

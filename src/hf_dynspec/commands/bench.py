@@ -6,6 +6,7 @@ Examples:
 hf-dynspec bench --scenario fixed --num-prompts 4 --batch-sizes 1,16 --out results.json --plots plots/
 hf-dynspec bench --scenario long-tail --out long_tail.json
 hf-dynspec bench --scenario rollout --out rollout.json --plots plots/
+hf-dynspec bench --scenario rollout-epochs --updates 1,4 --learning-rate 1e-5 --out epochs.json --plots plots/
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
 hf-dynspec bench --scenario offload --out offload.json
 hf-dynspec bench --scenario serve --out serve.json --plots plots/
@@ -158,6 +159,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-tokens", type=int, default=768, help="Skip longer prompts.")
     parser.add_argument("--tiny", action="store_true", help="Tiny random models and random token prompts (for CI).")
+    epochs = parser.add_argument_group("rollout-epochs scenario", "The first epoch, GRPO updates, the second epoch.")
+    epochs.add_argument("--updates", type=_int_list, default=[1, 4],
+                        help="Optimizer steps after which the second epoch is timed (default 1,4).")
+    epochs.add_argument("--learning-rate", type=float, default=1e-5,
+                        help="The LoRA adapter's constant learning rate (default 1e-5; TRL's default 1e-6 is meant "
+                             "for full fine-tuning).")
+    epochs.add_argument("--lora-rank", type=int, default=16)
+    epochs.add_argument("--first-epoch-methods", default=None,
+                        help="Methods timed on the first epoch, with an empty rollout cache ('' to skip; default: "
+                             "the loop without speculation and the default, each with the standard and coupled sampler).")
+    epochs.add_argument("--profile", help="A calibration profile pricing the hindsight bound's verifies by their width.")
     add_model_options(parser)
     parser.add_argument("--out", type=Path, help="Write results JSON here.")
     parser.add_argument("--plots", type=Path, help="Write PNG plots into this directory.")
@@ -206,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         if settings.scenario == "serve":
             return _run_serve(settings, args)
+        if settings.scenario == "rollout-epochs":
+            return _run_epochs(settings, args)
         results = run_benchmark(settings, progress=not args.quiet)
     except (ValueError, MethodError) as error:
         raise SystemExit(f"hf-dynspec bench: {error}") from error
@@ -225,6 +239,24 @@ def run(args: argparse.Namespace) -> int:
 
         for path in write_plots(results, args.plots):
             print(f"Plot: {path}")
+    return 0
+
+
+def _run_epochs(settings, args: argparse.Namespace) -> int:
+    """The rollout-epochs scenario: its table, JSON and speed-against-KL plot."""
+    from ..evaluation.epochs import FIRST_EPOCH_METHODS, EpochSettings, epochs_table, plot_epochs, run_epochs
+
+    first = FIRST_EPOCH_METHODS if args.first_epoch_methods is None else args.first_epoch_methods
+    epochs = EpochSettings(updates=args.updates, learning_rate=args.learning_rate, lora_rank=args.lora_rank,
+                           first_epoch_methods=first, methods=settings.methods, profile=args.profile)
+    results = run_epochs(settings, epochs, progress=not args.quiet)
+    print(epochs_table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"\nResults: {args.out}")
+    if args.plots:
+        print(f"Plot: {plot_epochs(results, args.plots / 'epochs_speed_kl.png')}")
     return 0
 
 

@@ -101,6 +101,21 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         top_p=1.0,
         top_k=0,
     ),
+    "rollout-epochs": dict(
+        # the rollout scenario's prompts and sampling, sampled again after GRPO updates of the policy
+        # (`hf_dynspec.evaluation.epochs`): the methods time the second epoch
+        dataset="sharegpt",
+        num_prompts=2,
+        samples_per_prompt=8,
+        batch_sizes=[16],
+        max_new_tokens=512,
+        methods="dynspec-nospec,dynspec-nospec@coupled,dynspec-goodput,dynspec-reuse:32,dynspec-reuse:32+draft",
+        output_lengths="eos",
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+    ),
     "serve": dict(
         # requests arriving at random times (Poisson) into transformers' continuous batching, at a sweep of rates up
         # to saturation (`hf_dynspec.evaluation.serve`); greedy, each request ending at its own EOS
@@ -325,15 +340,19 @@ def run_benchmark(
     prompts: list[list[int]] | None = None,
     progress: bool = True,
     variant_drafts: dict[str, torch.nn.Module] | None = None,
+    rollouts: dict[int, torch.LongTensor] | None = None,
+    keep_rows: bool = False,
 ) -> dict[str, Any]:
     """Run every method at every batch size; returns the results dict (see the module docstring).
 
     Models and prompt token ids are loaded from `settings` unless given; so are the draft variants that methods
-    name (`method/variant`, see `methods`), unless `variant_drafts` has them. Methods run interleaved (the order rotates
+    name (`method/variant`, see `methods`), unless `variant_drafts` has them. Methods that reuse rollouts start every run
+    from `rollouts` (responses by stream, an epoch before); `keep_rows` adds each run's rows (its last repetition's new
+    tokens) to its record. Methods run interleaved (the order rotates
     every repetition) so drift in machine speed hits all alike; each (method, batch size) is warmed up once.
     """
 
-    methods = parse_methods(settings.methods, settings.policy_options)
+    methods = parse_methods(settings.methods, settings.policy_options, require_plain=not settings.do_sample)
     if target is None or prompts is None:
         need_draft = any(m.uses_draft and m.draft_variant is None for m in methods)
         loaded_target, loaded_draft, loaded_prompts = load_inputs(settings, need_draft=need_draft)
@@ -344,7 +363,8 @@ def run_benchmark(
     tokenizer = target_tokenizer(settings) if any(m.through_text for m in methods) and not settings.tiny else None
     foreign = foreign_texts(settings) if any(m.foreign for m in methods) else []
     runner = Runner(target, draft, settings.max_new_tokens, settings.do_sample, settings.seed, variant_drafts, tokenizer,
-                    sampling=settings.sampling, timeline=settings.records_timeline, foreign_text=foreign)
+                    sampling=settings.sampling, timeline=settings.records_timeline, foreign_text=foreign,
+                    rollouts=rollouts)
     budgets = (
         long_tail_budgets(len(prompts), settings.max_new_tokens, settings.seed)
         if settings.output_lengths == "long-tail"
@@ -371,7 +391,7 @@ def run_benchmark(
     finally:
         runner.close()
     for (name, batch_size), entry in measured.items():
-        if name != "plain":
+        if name != "plain" and ("plain", batch_size) in measured:
             entry.speedups = paired_speedups(entry, measured[("plain", batch_size)])
             reference = measured[("plain", batch_size)].outcomes
             errors = [compare(o.tokens, ref.tokens) for o, ref in zip(entry.outcomes, reference)]
@@ -387,7 +407,8 @@ def run_benchmark(
     results = {
         "machine": machine_description(),
         "config": config,
-        "runs": [_run_record(m, b, measured[(m.name, b)], settings) for b in settings.batch_sizes for m in methods],
+        "runs": [_run_record(m, b, measured[(m.name, b)], settings, keep_rows)
+                 for b in settings.batch_sizes for m in methods],
         "traces": [_trace(m, b, measured[(m.name, b)]) for b in settings.batch_sizes for m in methods if m.kind == "dynspec"],
     }
     if settings.records_timeline and NO_SPECULATION in {m.name for m in methods}:
@@ -441,7 +462,9 @@ def _warm_up(runner, methods: list[Method], settings: BenchSettings, prompts, bu
                    max_new_tokens=settings.warmup_tokens, progress=False)
 
 
-def _run_record(method: Method, batch_size: int, entry: _Measured, settings: BenchSettings) -> dict[str, Any]:
+def _run_record(
+    method: Method, batch_size: int, entry: _Measured, settings: BenchSettings, keep_rows: bool = False
+) -> dict[str, Any]:
     outcome = entry.outcomes[-1]
     # per batch of prompts the median over repetitions, summed: a slow phase of a shared machine during one
     # repetition of one batch does not leak into the result
@@ -470,6 +493,8 @@ def _run_record(method: Method, batch_size: int, entry: _Measured, settings: Ben
         "rows_one_at_a_time": not method.batched and batch_size > 1,
         "equivalence": entry.equivalence,
         "active_seconds": _active_seconds(entry.outcomes),
+        "reused_tokens": outcome.reused_tokens if method.reuse else None,
+        **({"rows": outcome.tokens} if keep_rows else {}),
         **{name: outcome.times.get(name) if method.kind == "dynspec" else None for name in TIME_FIELDS},
     }
 

@@ -73,6 +73,8 @@ SUFFIX_MODIFIERS = (DRAFT, WARM, FOREIGN)
 MODIFIERS = (NARROW, ROW_MAJOR, TEXT, *SUFFIX_MODIFIERS)
 """What may follow a method's name after `+` (several: `hf-assisted+narrow+rowmajor`): the kernels the speculative
 loop runs with, so that a baseline can have them too (`plain` and `hf-*` only), and drafting through text."""
+REUSE = "dynspec-reuse"
+"""Coupled sampling with the rollout cache (`+draft`: beside the draft model); `:N` caps its tokens a step."""
 NO_SPECULATION = "dynspec-nospec"
 """The loop without speculation: what dropping finished rows alone gives, against which speculation is measured."""
 DEFAULT_LOOKUP_TOKENS = 10
@@ -110,6 +112,11 @@ class Method:
     def suffix(self) -> bool:
         """Whether the method proposes from suffix trees (whose cache the bench empties before each run)."""
         return self.dynspec_config is not None and self.dynspec_config.proposer == "suffix"
+
+    @property
+    def reuse(self) -> bool:
+        """Whether the method proposes from the rollout cache (which the bench sets to the epoch before each run)."""
+        return self.dynspec_config is not None and self.dynspec_config.reuse_rollouts
 
     @property
     def batched(self) -> bool:
@@ -166,7 +173,7 @@ def _with_modifiers(name: str, method: Method, modifiers: list[str]) -> Method:
     if unknown:
         raise MethodError(f"In method {name!r} the modifiers after '+' may only be {list(MODIFIERS)}; got {unknown}.")
     suffix_modifiers = [m for m in modifiers if m in SUFFIX_MODIFIERS]
-    if suffix_modifiers and not method.suffix:
+    if suffix_modifiers and not (method.suffix or (method.reuse and suffix_modifiers == [DRAFT])):
         raise MethodError(f"Method {name!r}: '+{'+'.join(suffix_modifiers)}' applies to dynspec-suffix methods only.")
     method = dataclasses.replace(
         method, uses_draft=method.uses_draft or DRAFT in modifiers, warm=WARM in modifiers, foreign=FOREIGN in modifiers
@@ -224,6 +231,13 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         settings = {"policy": "goodput", "proposer": "suffix", "policy_options": options, **fields}
         settings["prompt_lookup_max_tokens"] = _count(name, argument, fields.get("prompt_lookup_max_tokens", DEFAULT_LOOKUP_TOKENS))
         return Method(name, "dynspec", dynspec_config=DynSpecConfig(**settings))
+    if base.partition("@")[0] == REUSE:
+        tag = base.partition("@")[2]
+        options, fields = _config_fields(dict((policy_options or {}).get(f"reuse@{tag}" if tag else "reuse", {})))
+        settings = {"policy": "goodput", "policy_options": options, "sampling": "coupled", "reuse_rollouts": True,
+                    **fields}
+        settings["prompt_lookup_max_tokens"] = _count(name, argument, fields.get("prompt_lookup_max_tokens", DEFAULT_LOOKUP_TOKENS))
+        return Method(name, "dynspec", dynspec_config=DynSpecConfig(**settings))
     if base.partition("@")[0] in ("dynspec-tree", "dynspec-tree-lookup"):
         return _tree_method(name, base, argument, policy_options)
     if base.startswith("dynspec-"):
@@ -240,7 +254,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], {NO_SPECULATION}, "
         "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N], "
-        "dynspec-suffix[:N][+draft][+warm][+foreign] or "
+        "dynspec-suffix[:N][+draft][+warm][+foreign], dynspec-reuse[:N][+draft] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."
     )
@@ -267,14 +281,17 @@ def _tree_method(
                   dynspec_config=config)
 
 
-def parse_methods(names: str | list[str], policy_options: dict[str, dict[str, Any]] | None = None) -> list[Method]:
-    """Methods from a comma-separated list; `plain` must be among them (every output is compared with it)."""
+def parse_methods(
+    names: str | list[str], policy_options: dict[str, dict[str, Any]] | None = None, require_plain: bool = True
+) -> list[Method]:
+    """Methods from a comma-separated list; `plain` must be among them (every greedy output is compared with it)
+    unless `require_plain` is false (sampled runs, whose outputs differ anyway)."""
     items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     methods = [parse_method(n, policy_options) for n in items if n]
     seen = [m.name for m in methods]
     if len(set(seen)) != len(seen):
         raise MethodError(f"Methods are listed twice in {seen}; give each once.")
-    if "plain" not in seen:
+    if require_plain and "plain" not in seen:
         raise MethodError(f"The methods {seen} must include 'plain': every method's output is compared with it.")
     return methods
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from ..candidates.draft_model import draft_lookahead_tokens
+from ..candidates.rollout import RolloutSettings, rollout_cache_for
 from ..candidates.suffix import SuffixSettings, clear_suffix_caches, suffix_cache_for
 from ..kernels import linear_plan, narrow_linear, row_major_output
 from .equivalence import MarginRecorder, RowMargins
@@ -71,6 +72,8 @@ class Outcome:
     process, so it may differ between runs); None where no draft model drafted in the loop."""
     timelines: list[list[tuple[float, int]]] = field(default_factory=list)
     """Per `generate` call, `(seconds since its start, active rows)` at each target forward (`Runner(timeline=True)`)."""
+    reused_tokens: int = 0
+    """Accepted draft tokens the rollout cache proposed (`DynSpecStats.reused_tokens`)."""
 
     @property
     def new_tokens(self) -> int:
@@ -87,6 +90,7 @@ class Outcome:
         self.steps.extend(other.steps)
         self.margins.extend(other.margins)
         self.timelines.extend(other.timelines)
+        self.reused_tokens += other.reused_tokens
         for name, seconds in other.times.items():
             self.times[name] = self.times.get(name, 0.0) + seconds
         self.record_lookahead(other.draft_lookahead)
@@ -179,6 +183,7 @@ class Runner:
         sampling: dict[str, float] | None = None,
         timeline: bool = False,
         foreign_text: Sequence[Sequence[int]] = (),
+        rollouts: dict[int, torch.LongTensor] | None = None,
     ) -> None:
         """
         Args:
@@ -188,7 +193,10 @@ class Runner:
                 config's).
             timeline: record when each target forward starts and how many rows are active (`Outcome.timelines`).
             foreign_text: token ids of another task's texts, the suffix cache of `+foreign` methods' runs.
+            rollouts: responses by stream (`RolloutCache.responses`, an epoch before) that the rollout cache of the
+                target holds at the start of every run of a method that reuses rollouts (`Method.reuse`).
         """
+        self.rollouts = dict(rollouts or {})
         self.foreign_text = [list(text) for text in foreign_text]
         self.sampling = dict(sampling or {}) if do_sample else {}
         self._timeline = ActiveRowsTimeline(target) if timeline else None
@@ -224,6 +232,8 @@ class Runner:
         chunks = [range(start, min(start + batch_size, len(prompts))) for start in range(0, len(prompts), batch_size)]
         if method.suffix:
             self._start_suffix_cache(method, prompts, chunks, budgets, max_new_tokens)
+        if method.reuse:
+            self._start_rollout_cache(method)
         self._target_counter.take(), self._draft_forwards()
         outcome = Outcome(tokens=[], seconds=0.0, target_forwards=0, draft_forwards=0)
         for chunk in tqdm(chunks, desc=f"{method.name} @ {batch_size}", leave=False, disable=not progress):
@@ -260,6 +270,13 @@ class Runner:
         for chunk in chunks:
             chunk_budgets = [budgets[i] for i in chunk] if budgets is not None else None
             self._generate(method, [prompts[i] for i in chunk], chunk_budgets, max_new_tokens, scratch, self.seed + 1)
+
+    def _start_rollout_cache(self, method: Method) -> None:
+        """The target's rollout cache holding `rollouts` alone, so every run reuses the same epoch before."""
+        cache = rollout_cache_for(self.target, RolloutSettings.from_config(method.dynspec_config))
+        cache.clear()
+        for stream, response in self.rollouts.items():
+            cache.store(stream, response)
 
     def prepare(self, method: Method) -> None:
         """Pay `method`'s one-off costs of a process now, untimed: the draft's lookahead width is measured on the
@@ -391,6 +408,7 @@ class Runner:
         for name, seconds in {**parts, "total_seconds": stats.total_seconds}.items():
             outcome.times[name] = outcome.times.get(name, 0.0) + seconds
         outcome.record_lookahead(getattr(stats, "draft_lookahead", None))
+        outcome.reused_tokens += getattr(stats, "reused_tokens", 0)
         for step in stats.steps:
             outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
             depths = getattr(step, "draft_depths", None)

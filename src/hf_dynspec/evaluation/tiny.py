@@ -46,3 +46,16 @@ def tiny_pair(seed: int = 0, vocab_size: int = TINY_VOCAB) -> tuple[PreTrainedMo
             if name.endswith("_proj.bias"):
                 parameter.zero_()
     return _finish(target), _finish(draft)
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB):
+    """A word-level tokenizer over the tiny pair's ids: id `i` is the word `w<i>` (pad and EOS aside), so token ids
+    and text convert both ways exactly (clients that take text, such as TRL's trainers, see the same prompts)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": TINY_PAD, "</s>": TINY_EOS} | {f"w{i}": i for i in range(vocab_size) if i not in (TINY_PAD, TINY_EOS)}
+    backend = Tokenizer(WordLevel(words, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", padding_side="left")
