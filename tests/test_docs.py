@@ -82,11 +82,12 @@ def test_hub_page_blocks_run(namespace: dict, tmp_path: Path) -> None:
 
 
 def test_rollouts_page_blocks_run(namespace: dict) -> None:
-    """TRL's GRPOTrainer (a bound draft, then a LoRA target), lm-evaluation-harness and suffix speculation over two
-    epochs, as the page writes them."""
+    """TRL's GRPOTrainer (a bound draft, then a LoRA target), lm-evaluation-harness, suffix speculation and rollout
+    reuse over two epochs, as the page writes them."""
     ran = run_page("rollouts.md", namespace)
-    assert ran == 4
+    assert ran == 5
     assert namespace["rollouts"].shape[0] == 4  # the suffix block's second epoch
+    assert namespace["reused"] > 0 and namespace["second"].sequences.equal(namespace["first"].sequences)
     assert namespace["trainer"].state.global_step == 2
     assert type(namespace["trainer"].model).__name__ == "PeftModelForCausalLM"
     assert len(namespace["completions"]) == 2
