@@ -75,6 +75,29 @@ def serve(
             `device`, `dtype`, `cb_num_blocks`, `cb_max_batch_tokens`, `log_level`, ...).
     """
     config = DynSpecConfig.coerce(dynspec_config)
+    _check_serve_arguments(config, assistant_model, prompt_lookup_num_tokens, stats_interval, served_model_name)
+    location, eos_token_ids = served_model(model)
+    speculation = Speculation(prompt_lookup_num_tokens, config, eos_token_ids, assistant_model, stats_interval)
+    if _ModelLoader is not None:
+        name = served_model_name or model
+        return SpeculativeServe(speculation, {name: location}, force_model=name, **serve_options)
+    if served_model_name is not None:
+        raise ValueError("`served_model_name` needs transformers 5.25 or newer: upgrade transformers, or leave it out "
+                         f"(the model is then served as {location!r}).")
+    from transformers.cli.serve import Serve
+
+    with speculating_loads(speculation), checked_requests():
+        return Serve(force_model=location, **serve_options)
+
+
+def _check_serve_arguments(
+    config: DynSpecConfig,
+    assistant_model: str | None,
+    prompt_lookup_num_tokens: int | None,
+    stats_interval: float,
+    served_model_name: str | None,
+) -> None:
+    """A clear error for `serve` arguments it cannot serve with."""
     if assistant_model is None and prompt_lookup_num_tokens is None and config.proposer != "suffix":
         raise ValueError(
             "Say where draft tokens come from: `assistant_model` (a draft model), `prompt_lookup_num_tokens=N`, or a "
@@ -88,18 +111,6 @@ def serve(
         raise ValueError(f"`stats_interval` must be a positive number of seconds, got {stats_interval!r}.")
     if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name.strip()):
         raise ValueError(f"`served_model_name` must be a non-empty name, got {served_model_name!r}.")
-    location, eos_token_ids = served_model(model)
-    speculation = Speculation(prompt_lookup_num_tokens, config, eos_token_ids, assistant_model, stats_interval)
-    if _ModelLoader is not None:
-        name = served_model_name or model
-        return SpeculativeServe(speculation, {name: location}, force_model=name, **serve_options)
-    if served_model_name is not None:
-        raise ValueError("`served_model_name` needs transformers 5.25 or newer: upgrade transformers, or leave it out "
-                         f"(the model is then served as {location!r}).")
-    from transformers.cli.serve import Serve
-
-    with speculating_loads(speculation), checked_requests():
-        return Serve(force_model=location, **serve_options)
 
 
 @dataclass(frozen=True)
