@@ -86,7 +86,7 @@ def test_a_soak_leaves_no_blocks_no_growing_memory_and_the_same_greedy_answers(s
         memory.append(resident_mib(pid))
     assert not [outcome for outcome in outcomes if isinstance(outcome, int) and outcome >= 500]
     left = outcomes.count("left-stream")
-    assert left == 4 * 3 and int(UNFINISHED.findall(log.read_text())[-1]) >= left  # every stream left was cancelled
+    assert left >= 4 * 3 // 2 and int(UNFINISHED.findall(log.read_text())[-1]) >= left  # each left stream cancelled
     assert max(memory[1:]) - memory[1] <= max(16.0, 0.02 * memory[1]), memory
     assert greedy_answer(url) == before
 
@@ -142,16 +142,17 @@ def visit(url: str, index: int, rng: random.Random) -> int | str:
     return 200
 
 
-def leave_stream(url: str, messages: list[dict], after: int) -> str:
-    """Stream a long answer and leave once `after` chunks with text came (the request is decoding by then)."""
+def leave_stream(url: str, messages: list[dict], after: int) -> int | str:
+    """Stream a long answer and leave once `after` chunks with text came (the request is decoding by then); 200 if
+    the answer ended first."""
     stream = client(url).chat.completions.create(model=NAME, messages=messages, max_tokens=400, stream=True)
     texts = 0
     for chunk in stream:
         texts += bool(chunk.choices and chunk.choices[0].delta.content)
         if texts >= after:
-            break
-    stream.close()
-    return "left-stream"
+            stream.close()
+            return "left-stream"
+    return 200
 
 
 def idle_caches(log: Path, timeout: float = 30) -> tuple[int, ...]:
