@@ -73,7 +73,7 @@ def test_every_malformed_request_gets_a_4xx_naming_its_field(served):
 
 
 def test_a_soak_leaves_no_blocks_no_growing_memory_and_the_same_greedy_answers(served):
-    """Four rounds of 21 concurrent clients, every kind of `KINDS` in each; after each round the caches hold no
+    """Four rounds of 21 clients, 7 at a time, every kind of `KINDS` in each; after each round the caches hold no
     blocks (the server's stats line) and the server's memory is read. The first round warms the server up."""
     url, log, pid = served
     before = greedy_answer(url)
