@@ -9,7 +9,8 @@ substitution changes the keys of the next `n` positions.
 
 This probe samples the rollout scenario (2 ShareGPT prompts x 8 samples, temperature 1) with both keyings through a
 plain token-by-token sampler, takes `--updates` GRPO steps with a LoRA adapter (`evaluation.epochs.train_grpo`),
-samples again with both, and counts with hindsight the tokens of the second epoch that a rollout cache could propose
+samples again with both (and, before any update, with the same weights in batches of half the rows, whose forwards
+round otherwise in low precision), and counts with hindsight the tokens of the second epoch that a rollout cache could propose
 right: by position (the earlier sample's token at the same position) or by context (the token that followed the same
 key in the earlier sample), and the verify forwards the best schedule would then need. Position keys, sampled here,
 give the speculative loop's coupled samples (checked; in low precision up to near ties).
@@ -147,7 +148,12 @@ def main() -> None:
     differ = sum(a != b for a, b in zip(loop, first["position"]))
     print(f"position-keyed samples as the loop's coupled ones: {len(loop) - differ}/{len(loop)} rows (in low precision "
           "the two forwards round differently, and a near tie of perturbed scores may flip)")
-    results = {"rows_as_the_loop": len(loop) - differ}
+    results = {"rows_as_the_loop": len(loop) - differ, "numerics": {}}
+    half = len(prompts) // 2  # the same weights in batches of half the rows: forwards of other shapes round otherwise
+    for keying in ("position", "context"):
+        halves = [row for part in (prompts[:half], prompts[half:]) for row in sample_keyed(base, part, settings, keying)]
+        results["numerics"][keying] = summary(prompts, first[keying], halves, keying)
+        print(f"{keying} keys, no update, other batch shapes: {results['numerics'][keying]}")
 
     def measure(steps: int) -> None:
         for keying in ("position", "context"):
