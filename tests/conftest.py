@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -12,6 +13,8 @@ import torch
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+os.environ.setdefault("HF_DYNSPEC_CHECK_TREES", "1")  # the loop checks every tree it builds (`candidates.tree`)
 
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = 96

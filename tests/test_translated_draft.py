@@ -162,6 +162,7 @@ def test_translated_draft_times_each_rows_catch_up_apart_and_reports_its_backlog
         kept[:, :2] = True  # the root and each row's first draft token (none for row 1, which did not draft)
         proposer.commit(batch, proposal, kept)
         batch.num_generated += 2  # the step's emitted tokens: the accepted draft token and the target's own
+        batch.host.num_generated += 2  # and the batch's copy on the host
         drafted = proposal.lengths > 0
         assert torch.equal(proposer.backlog(batch), torch.where(drafted, 1, batch.num_real))
         widths.clear()

@@ -49,6 +49,7 @@ def oracle_guesses(monkeypatch):
 
     def lookups(self, batch, drafted, wanted, lookahead):
         share = lookahead // max(1, int((wanted > 0).sum()))
+        drafted = drafted() if callable(drafted) else drafted
         found = []
         for row in range(batch.batch_size):
             tokens = torch.cat([batch.real_tokens(row), drafted[row]])
@@ -57,8 +58,8 @@ def oracle_guesses(monkeypatch):
                 tokens = torch.cat([tokens, self.draft_model(tokens[None]).logits[0, -1:].argmax(-1)])
             found.append(tokens[tokens.shape[0] - count :])
         padded = PromptLookupProposer.proposal(batch, found)
-        guessed = torch.arange(padded.max_length) < padded.lengths.unsqueeze(1)
-        return padded.tokens, guessed.long()
+        guessed = (torch.arange(padded.max_length) < padded.lengths.unsqueeze(1)).long()
+        return padded.tokens, guessed, (padded.tokens, guessed)  # on the device, then on the host (one CPU here)
 
     monkeypatch.setattr(DraftModelProposer, "_lookups", lookups)
 

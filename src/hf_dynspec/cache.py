@@ -135,11 +135,18 @@ def cached_prefix(cache: Cache | None, prompt: torch.LongTensor, windows: Slidin
 
 
 class RaggedCache:
-    """A `DynamicCache` plus the validity of each of its columns for every row."""
+    """A `DynamicCache` plus the validity of each of its columns for every row.
+
+    The validity is kept twice: on the cache's device for the attention masks (`valid`), and on the host
+    (`host_valid`), where the decisions to trim and compact are taken without reading the device. Callers that know
+    a new validity on the host pass it along (`host_mask`, `host_validity`, `host_keep`); otherwise it is copied
+    from the device (a synchronisation on an accelerator).
+    """
 
     def __init__(self, cache: DynamicCache, valid: torch.LongTensor, min_holes: int, hole_fraction: float) -> None:
         self.cache = cache
         self.valid = valid  # [batch, length] 1 where the entry is part of the row's sequence
+        self.host_valid = valid.to("cpu", copy=True)  # [batch, length] the same on the host
         self.min_holes = min_holes
         self.hole_fraction = hole_fraction
         self.compactions = 0
@@ -148,42 +155,50 @@ class RaggedCache:
     def length(self) -> int:
         return int(self.valid.shape[1])
 
-    def begin(self, query_mask: torch.LongTensor) -> torch.LongTensor:
+    def begin(self, query_mask: torch.LongTensor, host_mask: torch.LongTensor | None = None) -> torch.LongTensor:
         """Register the columns a forward is about to append and return its 2D attention mask.
 
         Args:
             query_mask: `[batch, width]` 1 for real input tokens, 0 for padding inside the input block.
+            host_mask: the same on the host, if the caller has it.
 
         Returns:
             `[batch, length + width]` attention mask covering the cache and the new tokens.
         """
+        host_mask = query_mask.to("cpu", copy=True) if host_mask is None else host_mask
         self.valid = torch.cat([self.valid, query_mask.to(self.valid.device, self.valid.dtype)], dim=1)
+        self.host_valid = torch.cat([self.host_valid, host_mask.to(self.host_valid.dtype)], dim=1)
         return self.valid
 
-    def set_last(self, validity: torch.LongTensor) -> None:
-        """Overwrite the validity of the last `validity.shape[1]` columns (`[batch, width]`)."""
+    def set_last(self, validity: torch.LongTensor, host_validity: torch.LongTensor | None = None) -> None:
+        """Overwrite the validity of the last `validity.shape[1]` columns (`[batch, width]`; `host_validity`: the
+        same on the host, if the caller has it)."""
         width = validity.shape[1]
         if width:
+            host_validity = validity.to("cpu", copy=True) if host_validity is None else host_validity
             self.valid[:, -width:] = validity.to(self.valid.device, self.valid.dtype)
+            self.host_valid[:, -width:] = host_validity.to(self.host_valid.dtype)
 
     def settle(self) -> None:
         """Trim trailing holes and compact when enough holes have accumulated."""
         self._trim()
-        freeable = self.length - int(self.valid.sum(dim=1).max()) if self.length else 0
+        freeable = self.length - int(self.host_valid.sum(dim=1).max()) if self.length else 0
         if freeable >= self.min_holes and freeable > self.hole_fraction * self.length:
             self._compact()
 
-    def select_rows(self, keep: torch.LongTensor) -> None:
-        """Keep only the rows at indices `keep` (`[new_batch]`)."""
+    def select_rows(self, keep: torch.LongTensor, host_keep: torch.LongTensor | None = None) -> None:
+        """Keep only the rows at indices `keep` (`[new_batch]`; `host_keep`: the same on the host, if known)."""
+        host_keep = keep.to("cpu", copy=True) if host_keep is None else host_keep
         self.cache.batch_select_indices(keep.to(self.valid.device))
         self.valid = self.valid[keep]
+        self.host_valid = self.host_valid[host_keep]
         self.settle()
 
     def _layers(self) -> list[DynamicLayer]:
         return [layer for layer in self.cache.layers if layer.is_initialized and layer.keys.numel()]
 
     def _trim(self) -> None:
-        used = self.valid.any(dim=0).nonzero()
+        used = self.host_valid.any(dim=0).nonzero()
         new_length = int(used.max()) + 1 if used.numel() else 0
         if new_length == self.length:
             return
@@ -191,9 +206,10 @@ class RaggedCache:
             layer.keys = layer.keys[..., :new_length, :]
             layer.values = layer.values[..., :new_length, :]
         self.valid = self.valid[:, :new_length]
+        self.host_valid = self.host_valid[:, :new_length]
 
     def _compact(self) -> None:
-        new_length = int(self.valid.sum(dim=1).max())
+        new_length = int(self.host_valid.sum(dim=1).max())
         # A stable sort puts each row's holes first and its valid columns last, in their original order.
         order = torch.sort(self.valid, dim=1, stable=True).indices[:, -new_length:]  # [batch, new_length]
         for layer in self._layers():
@@ -201,4 +217,6 @@ class RaggedCache:
             layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
             layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
         self.valid = self.valid.gather(1, order)
+        host_order = torch.sort(self.host_valid, dim=1, stable=True).indices[:, -new_length:]
+        self.host_valid = self.host_valid.gather(1, host_order)
         self.compactions += 1

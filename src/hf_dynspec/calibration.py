@@ -13,7 +13,6 @@ import datetime
 import math
 import platform
 import statistics
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from transformers import PreTrainedModel
 from .cache import cache_kwarg, loop_cache, sliding_windows
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
 from .kernels import NARROW_LINEAR, LinearPlan, linear_plan, narrow_linear, narrow_rows, row_major_output
-from .placement import input_device
+from .placement import Instant, cuda_devices, elapsed, input_device
 from .policies.batch_table import BatchTablePolicy
 
 
@@ -71,15 +70,18 @@ class CalibrationSettings:
                 raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
 
 
-def time_call(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
+def time_call(
+    fn: Callable[[], Any], warmup: int, repeats: int, devices: tuple[torch.device, ...] = ()
+) -> list[float]:
+    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on the clock the loop times its steps with
+    (`placement.elapsed`): on the CUDA `devices` `fn` runs on, the time their streams took, waited for."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = Instant.now(devices)
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(float(elapsed(start)))
     return samples
 
 
@@ -98,6 +100,7 @@ class _CachedForward:
     ):
         self.model, self.narrow_rows = model, narrow_rows
         self.device = input_device(model)  # works for offloaded models too (their embeddings may sit on `meta`)
+        self.devices = cuda_devices(model)  # what timing a forward waits for
         self.vocab = int(model.config.vocab_size)
         self.batch_size, self.context_length, self.generator = batch_size, context_length, generator
         self.cache = loop_cache(model, sliding_windows(model, "model"))  # as the loop keeps it: croppable
@@ -196,7 +199,7 @@ def _width_timer(model: PreTrainedModel, narrow: int | LinearPlan, widths: Seque
     forward = _CachedForward(model, 1, LOOKAHEAD_CONTEXT, torch.Generator().manual_seed(0), narrow)
     for width in widths:
         forward(width, keep=width)
-    return lambda width: time_call(partial(forward, width, width), warmup=0, repeats=1)[0]
+    return lambda width: time_call(partial(forward, width, width), warmup=0, repeats=1, devices=forward.devices)[0]
 
 
 def _time_forwards(
@@ -212,7 +215,8 @@ def _time_forwards(
     forward = _CachedForward(model, batch_size, settings.context_length, generator, plan)
     timed = []
     for tokens in tokens_per_row:
-        timed.append((tokens, time_call(partial(forward, tokens, tokens), settings.warmup, settings.repeats)))
+        samples = time_call(partial(forward, tokens, tokens), settings.warmup, settings.repeats, forward.devices)
+        timed.append((tokens, samples))
         bar.update()
     return timed
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +62,7 @@ from .candidates.trie import lookup_trie
 from .config import DynSpecConfig
 from .coupling import StreamBook, perturb
 from .loop import _parameter_ratio, _policy_for
+from .placement import Instant, Seconds, cuda_devices, elapsed
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .validation import check_vocabularies
 from .verification import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -287,6 +287,7 @@ class DraftModelRequests(RequestProposer):
 
     def __init__(self, model: PreTrainedModel, branching: int = 2, min_node_probability: float = 0.0) -> None:
         self.model = model
+        self._devices = cuda_devices(model)  # what its catch-up's clock waits for
         self.branching = branching  # a tree's children of each chain node: the chain's token and its runner-ups
         self.min_node_probability = min_node_probability  # a tree's leaves need at least this path probability
         self.cache: PagedAttentionCache | None = None
@@ -403,7 +404,7 @@ class DraftModelRequests(RequestProposer):
     def _catch_up(self, requests: list[DraftRequest]) -> None:
         """Feed every token but the newest of `requests` that the draft has not seen, timed as the catch-up. A request
         whose tokens the draft cache cannot take keeps its backlog (and does not draft)."""
-        start = time.perf_counter()
+        start = Instant.now(self._devices)
         pending = [(r.request_id, self._unseen(r)[:-1]) for r in requests]
         while pending:
             chunks = [(request_id, tokens[: self._max_tokens]) for request_id, tokens in pending]
@@ -414,7 +415,7 @@ class DraftModelRequests(RequestProposer):
             self.catchup_tokens += sum(len(chunk) for _, chunk in chunks)
             fed = dict(chunks)
             pending = [(i, tokens[len(fed[i]) :]) for i, tokens in pending if i in fed and len(tokens) > len(fed[i])]
-        self.catchup_seconds = time.perf_counter() - start
+        self.catchup_seconds = elapsed(start)  # on the devices' clocks, read after the step's forward
 
     def _fits(self, request_id: str, tokens: int) -> bool:
         """Whether the draft cache can take `tokens` more of the request (allocating their pages if so)."""
@@ -642,12 +643,15 @@ class Speculator:
         self._draft_seconds = 0.0
         self._catchup = (0.0, 0)  # this step's catch-up of a draft model: seconds, tokens
         self._offered = False  # this step's proposer made model-free offers
+        self.devices = cuda_devices(target, proposer.model)  # what the step's clocks wait for
+        self._drafted: Seconds | float | None = None  # this step's drafting, catch-up included, until read
         self.policy.reset(0)
 
     # ---- before the scheduler ----------------------------------------------------------------------------------------
     def propose(self, active: dict[str, RequestState]) -> None:
         """Give every decoding request of `active` its draft: its query becomes its newest token and the draft."""
-        start = time.perf_counter()
+        self._read_draft_seconds()  # a step that drafted without a forward
+        start = Instant.now(self.devices)
         self._catchup, self._offered = (0.0, 0), False
         self._sync(active)
         states = [s for s in active.values() if _decoding(s)]
@@ -681,8 +685,15 @@ class Speculator:
             state.tokens_to_process = state.tokens_to_process[:1] + row.draft
             self.rows[state.request_id] = row
         self._catchup = (self.proposer.catchup_seconds, self.proposer.catchup_tokens)
-        self._draft_seconds = time.perf_counter() - start - self._catchup[0]
-        self.stats.draft_seconds += self._draft_seconds + self._catchup[0]
+        self._drafted = elapsed(start)  # on the devices' clocks; read in `observe`, once the step read the device
+
+    def _read_draft_seconds(self) -> None:
+        """This step's drafting seconds, catch-up apart, read after the step's forward (it has read the device)."""
+        if self._drafted is not None:
+            catchup = float(self._catchup[0])
+            self._draft_seconds = float(self._drafted) - catchup
+            self.stats.draft_seconds += self._draft_seconds + catchup
+            self._drafted = None
 
     def _free_rows(self, request: PolicyInput, chosen: list[int]) -> list[bool]:
         """Which decoding requests draft from a model-free offer: every one of a model-free proposer, none of a draft
@@ -759,6 +770,8 @@ class Speculator:
     def observe(self, query_tokens: int, num_requests: int, seconds: float, accepted: dict[str, int]) -> None:
         """Learn from a forward of `query_tokens` tokens over `num_requests` requests that took `seconds`: the first
         one as the policy's prefill, the others as steps of their decoding requests (`accepted` draft tokens each)."""
+        seconds = float(seconds)  # the step's update has read the device: reading its clocks waits no more
+        self._read_draft_seconds()
         self.stats.steps += 1
         self.stats.forward_seconds += seconds
         if not self._prefilled:
@@ -780,7 +793,7 @@ class Speculator:
             draft_seconds=self._draft_seconds,
             verify_seconds=seconds,
             target_tokens=query_tokens,
-            catchup_seconds=self._catchup[0],
+            catchup_seconds=float(self._catchup[0]),
             catchup_tokens=self._catchup[1],
             free_rows=torch.tensor([row.free for row in rows]) & (drafted > 0) if self._offered else None,
             plain_tokens=query_tokens - sum(len(row.draft) for row in rows),
@@ -890,12 +903,12 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
 
     @torch.no_grad()
     def _generation_step(self, model: torch.nn.Module) -> None:
-        start = time.perf_counter()
+        start = Instant.now(self.speculator.devices)
         if self.speculator.drafting or self.coupled:  # coupled sampling samples every request itself
             self._verify_forward(model)
         else:
             super()._generation_step(model)
-        self._forward_seconds = time.perf_counter() - start
+        self._forward_seconds = elapsed(start)  # on the devices' clocks, read in `update_batch` (`Speculator.observe`)
 
     def _verify_forward(self, model: torch.nn.Module) -> None:
         """The step's forward, keeping the scores of every query position of a drafting request."""

@@ -37,9 +37,10 @@ from .config import DynSpecConfig
 from .coupling import perturb, stream_keys
 from .distributed import DecisionBroadcast
 from .packing import can_pack
-from .placement import Placement
+from .placement import Instant, Placement, upload
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
 from .processors import process_logits, process_tree_logits
+from .readback import HostOutcome
 from .sequences import EmittedScores, TokenBatch, widen
 from .stats import DynSpecStats, StepRecord
 from .stopping import LockstepCriteria, answers_row_by_row
@@ -251,7 +252,8 @@ class _Run:
 
     # ---- the whole call ------------------------------------------------------------------------------------------
     def generate(self, model_kwargs: dict) -> DynSpecOutput | torch.LongTensor:
-        start = self.placement.clock()
+        start = self.placement.instant()
+        self._overheads: list[tuple[StepRecord, tuple[Instant, ...], float]] = []  # read after the device is
         self.policy.reset(self.input_ids.shape[0])
         batch = self._prefill(model_kwargs)
         step = 0
@@ -259,7 +261,8 @@ class _Run:
             batch = self._step(batch, step)
             step += 1
         self.proposer.release()
-        self.stats.total_seconds = self.placement.clock() - start
+        self.stats.total_seconds = float(self.placement.since(start))
+        self._resolve_overheads()
         self.stats.overhead_seconds = self.stats.total_seconds - self.stats.accounted_seconds
         self.stats.draft_forwards += self.proposer.forwards
         drafter = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
@@ -278,7 +281,7 @@ class _Run:
     def _prefill(self, model_kwargs: dict) -> TokenBatch:
         """Run the target over the prompts and pick each row's first token, as plain decoding does (with
         `prefill_draft_confidence`, also verify draft tokens on top of each prompt in the same forward)."""
-        start = self.placement.clock()
+        start = self.placement.instant()
         input_ids = self.input_ids
         mask = model_kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask.long()
@@ -309,13 +312,15 @@ class _Run:
         if proposal is None:
             logits = self._target_forward(input_ids[:, cached:], mask[:, cached:], positions[:, cached:], 1)
             scores = process_logits(self.logits_processor, batch, input_ids[:, :0], logits)  # [batch, 1, vocab]
-            root_only = TokenTree.from_chain(input_ids[:, :0], torch.zeros_like(batch.num_prompt), input_ids[:, -1])
+            no_drafts = torch.zeros_like(batch.num_prompt)
+            root_only = TokenTree.from_chain(input_ids[:, :0], no_drafts, input_ids[:, -1], check=False)
             first = self._verify(scores, root_only, None, batch)
-            batch = self._emit(batch, first.emitted, first.accepted + 1, {"scores": scores, "logits": logits})
+            counts, host = self._read(batch, first, no_drafts)
+            batch = self._emit(batch, first.emitted, counts, host, {"scores": scores, "logits": logits})
         else:
             batch = self._prefill_verifying(batch, proposal, mask, positions, cached)
         check_cache_supported(cache, "target model")  # the model may have built its cache in the forward
-        self.stats.prefill_seconds = self.placement.clock() - start - drafting
+        self.stats.prefill_seconds = float(self.placement.since(start)) - drafting
         ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefilled = input_ids[:, cached:].numel()  # tokens the prefill's forward computed
         prefill = PrefillFeedback(
@@ -334,13 +339,14 @@ class _Run:
         lengths = (batch.remaining - 1).clamp(min=0, max=self.max_draft)  # [batch]
         if not bool((lengths > 0).any()):
             return None, 0.0
-        start = self.placement.clock()
+        start = self.placement.instant()
+        lengths = lengths.to("cpu", copy=True)  # proposers take per-row numbers on the host
         budgets = torch.where(lengths > 0, self.config.tree_node_budget, 0) if self.config.tree_node_budget else None
         free_rows = torch.zeros_like(lengths, dtype=torch.bool) if isinstance(self.proposer, HybridProposer) else None
         sure = lambda rows, positions, probs: probs >= threshold  # noqa: E731 - the same rule on every rank
         proposal = self.decisions.proposal(self.proposer.propose(batch, lengths, sure, free_rows, budgets))
-        seconds = self.placement.clock() - start
-        catchup, setup = self.proposer.catchup_seconds, self.proposer.setup_seconds
+        seconds = float(self.placement.since(start))
+        catchup, setup = float(self.proposer.catchup_seconds), float(self.proposer.setup_seconds)
         self.stats.draft_seconds += seconds - catchup - setup  # a one-off measurement is loop overhead
         self.stats.catchup_seconds += catchup
         return proposal, seconds
@@ -363,55 +369,67 @@ class _Run:
         )
         scores = process_tree_logits(self.logits_processor, batch, tree, logits)  # [batch, nodes, vocab]
         outcome = self._verify(scores, tree, proposal.node_probs(tree), batch)
-        self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
+        counts, host = self._read(batch, outcome, tree.depths.max(dim=1).values)
+        self.target_cache.set_last(outcome.kept.long(), host.kept.long())  # the accepted path stays, the rest are holes
         self.target_cache.settle()
-        self.proposer.commit(batch, proposal, outcome.kept)
-        self._count_reused(proposal, outcome)
-        self.stats.draft_tokens += int(proposal.lengths.sum())
-        self.stats.accepted_tokens += int(outcome.accepted.sum())
-        return self._emit(batch, outcome.emitted, outcome.accepted + 1, self._along_path(scores, logits, outcome))
+        self.proposer.commit(batch, proposal, host.kept)
+        self._count_reused(proposal, host)
+        self.stats.draft_tokens += int(proposal.lengths_on_host().sum())
+        self.stats.accepted_tokens += int(host.accepted.sum())
+        return self._emit(batch, outcome.emitted, counts, host, self._along_path(scores, logits, outcome))
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
-        """Draft, verify in one target forward, accept, emit; returns the batch of rows still running."""
-        begun = self.placement.clock()
+        """Draft, verify in one target forward, accept, emit; returns the batch of rows still running.
+
+        The step reads the device once (`_read`, after the verify forward); every per-row number it passes the
+        policy and the proposer is on the host."""
+        begun = self.placement.instant()
         requested, free_rows, node_budgets = self._requested_lengths(batch, step)
 
-        start = self.placement.clock()
-        early_stop = self._early_stop_for(batch.row_ids)
+        start = self.placement.instant()
+        early_stop = self._early_stop_for(batch.host.row_ids)
         if int(requested.max()) > 0:
             proposal = self.proposer.propose(batch, requested, early_stop, free_rows, node_budgets)
             proposal = self.decisions.proposal(proposal)
             catchup, setup = self.proposer.catchup_seconds, self.proposer.setup_seconds
         else:
-            proposal, catchup, setup = Proposal(batch.tokens[:, :0], torch.zeros_like(requested), None), 0.0, 0.0
-        drafted = self.placement.clock()
+            nothing = batch.num_generated.new_zeros(batch.batch_size)
+            proposal = Proposal(batch.tokens[:, :0], nothing, None, host_lengths=torch.zeros_like(requested))
+            catchup, setup = 0.0, 0.0
+        drafted = self.placement.instant()
 
         # The proposal as a token tree (a chain is a tree of single children): the target checks every node at once.
         tree = proposal.tree(batch.last_tokens())
         nodes = tree.num_nodes
+        host_valid = torch.arange(nodes) <= proposal.lengths_on_host().unsqueeze(1)  # [batch, nodes] `tree.valid`
         positions = tree.position_ids(batch.num_real - 1)  # [batch, nodes]
         visibility = tree.visibility(self.target_cache.length)  # [batch, nodes, length + nodes]
-        logits = self._target_forward(tree.tokens, tree.valid.long(), positions, nodes, visibility, self.packs)
+        logits = self._target_forward(
+            tree.tokens, tree.valid.long(), positions, nodes, visibility, self.packs, host_valid.long()
+        )
         scores = process_tree_logits(self.logits_processor, batch, tree, logits)
         outcome = self._verify(scores, tree, proposal.node_probs(tree), batch)
-        verified = self.placement.clock()
+        verified = self.placement.instant()
+        counts, host = self._read(batch, outcome, tree.depths.max(dim=1).values)  # the step's one read of the device
+        self._resolve_overheads()
 
-        self.target_cache.set_last(outcome.kept.long())  # the accepted path stays, every other node is a hole
+        self.target_cache.set_last(outcome.kept.long(), host.kept.long())  # the accepted path stays, the rest: holes
         self.target_cache.settle()
-        self.proposer.commit(batch, proposal, outcome.kept)
-        drafting = drafted - start - catchup - setup  # a one-off measurement is loop overhead, not a cost of drafting
-        self._observe(requested, proposal, tree, outcome, drafting, catchup, verified - drafted, batch)
-        batch = self._emit(batch, outcome.emitted, outcome.accepted + 1, self._along_path(scores, logits, outcome))
-        self._account_overhead(self.placement.clock() - begun - (drafted - start) + setup - (verified - drafted))
+        self.proposer.commit(batch, proposal, host.kept)
+        since = self.placement.since
+        drafting = since(start, drafted) - catchup - setup  # a one-off measurement is loop overhead, not drafting
+        self._observe(requested, proposal, tree, host, drafting, float(catchup), float(since(drafted, verified)), batch)
+        batch = self._emit(batch, outcome.emitted, counts, host, self._along_path(scores, logits, outcome))
+        self._account_overhead((begun, start, drafted, verified), float(setup))
         return batch
 
-    def _count_reused(self, proposal: Proposal, outcome: TreeVerification) -> None:
+    def _count_reused(self, proposal: Proposal, host: HostOutcome) -> None:
         """Add the step's accepted tokens that the rollout cache proposed to `stats.reused_tokens`."""
         free = self.proposer.last_free_rows
         if not self.config.reuse_rollouts or proposal.max_length == 0 or free is None:
             return
-        self.stats.reused_tokens += int(outcome.accepted[free.to(outcome.accepted.device)].sum())
+        self.stats.reused_tokens += int(host.accepted[free.to("cpu", copy=True)].sum())
 
     def _along_path(
         self, scores: torch.Tensor, logits: torch.Tensor, outcome: TreeVerification
@@ -425,26 +443,35 @@ class _Run:
         before = torch.cat([outcome.path.new_zeros((scores.shape[0], 1)), outcome.path.clamp(min=0)], dim=1)
         return {name: at_nodes[name][rows, before] for name in needed}
 
-    def _account_overhead(self, seconds: float) -> None:
-        """Loop time of a step outside drafting, catch-up and verification (policy, acceptance, bookkeeping)."""
+    def _account_overhead(self, instants: tuple[Instant, ...], setup: float) -> None:
+        """Loop time of a step outside drafting, catch-up and verification (policy, acceptance, bookkeeping), from
+        `instants` (`begun, start, drafted, verified`) and now; read at the next read of the device, so that reading
+        it never waits (`_resolve_overheads`)."""
         if self.config.collect_step_stats and self.stats.steps:
-            self.stats.steps[-1].overhead_seconds = seconds
+            self._overheads.append((self.stats.steps[-1], (*instants, self.placement.instant()), setup))
+
+    def _resolve_overheads(self) -> None:
+        since = self.placement.since
+        for record, (begun, start, drafted, verified, end), setup in self._overheads:
+            record.overhead_seconds = float(since(begun, end) - since(start, drafted) + setup - since(drafted, verified))
+        self._overheads.clear()
 
     def _requested_lengths(
         self, batch: TokenBatch, step: int
     ) -> tuple[torch.LongTensor, torch.BoolTensor | None, torch.LongTensor | None]:
         """The policy's draft lengths (tree depths), capped so no row drafts past its remaining length budget; the
         rows it serves from the model-free proposal (hybrid proposers; `None` otherwise); and each row's tree node
-        budget (`None` for chains). Draft-model tokens are capped at `num_speculative_tokens`, prompt-lookup tokens
+        budget (`None` for chains), all on the host. Draft-model tokens are capped at `num_speculative_tokens`, prompt-lookup tokens
         of a hybrid at `prompt_lookup_max_tokens` (they cost no draft forward)."""
         backlog, free_lengths = self.proposer.backlog(batch), self.proposer.free_lengths(batch, self.max_free)
         anchors = self.proposer.free_anchors(batch) if free_lengths is not None else None
         confidence = self.proposer.free_confidence(batch) if free_lengths is not None else None
         request = PolicyInput(
-            step, batch.row_ids, batch.remaining, self.max_draft, backlog, free_lengths, self.config.tree_node_budget,
-            free_anchors=anchors, free_confidence=confidence, draft_tries_free=self.config.draft_lookahead > 0,
+            step, batch.host.row_ids, batch.host_remaining, self.max_draft, backlog, free_lengths,
+            self.config.tree_node_budget, free_anchors=anchors, free_confidence=confidence,
+            draft_tries_free=self.config.draft_lookahead > 0,
         )
-        lengths = self.policy.draft_lengths(request).to(batch.tokens.device)
+        lengths = self.policy.draft_lengths(request).to("cpu", copy=True)
         if lengths.shape != (batch.batch_size,) or bool((lengths < 0).any()):
             raise ValueError(
                 f"Policy {type(self.policy).__name__} returned draft lengths {lengths.tolist()}; expected "
@@ -453,15 +480,15 @@ class _Run:
         free_rows = self.policy.free_rows(request) if free_lengths is not None else None
         caps = torch.full_like(lengths, self.max_draft)
         if free_rows is not None:
-            free_rows = free_rows.to(lengths.device) & (free_lengths.to(lengths.device) > 0)  # lookup must offer
+            free_rows = free_rows.to("cpu", copy=True) & (free_lengths.to("cpu", copy=True) > 0)  # lookup must offer
             free_rows = self.decisions.lengths(free_rows.long()).bool()
             caps = torch.where(free_rows, self.max_free, caps)
-        lengths = self.decisions.lengths(lengths.minimum(caps).minimum(batch.remaining - 1).clamp(min=0))
+        lengths = self.decisions.lengths(lengths.minimum(caps).minimum(batch.host_remaining - 1).clamp(min=0))
         budgets = None
         if self.config.tree_node_budget:
-            budgets = self.policy.node_budgets(request, lengths).to(lengths.device)
+            budgets = self.policy.node_budgets(request, lengths).to("cpu", copy=True)
             budgets = self.decisions.lengths(torch.where(lengths > 0, budgets.clamp(1, self.config.tree_node_budget), 0))
-        return lengths, free_rows, budgets
+        return lengths, free_rows, budgets  # on the host
 
     def _early_stop_for(self, row_ids: torch.LongTensor):
         """Bind the policy's `continue_drafting` hook to this step's rows (`None` when the policy has none)."""
@@ -477,12 +504,13 @@ class _Run:
         keep: int,
         visibility: torch.BoolTensor | None = None,
         pack: bool = False,
+        host_mask: torch.LongTensor | None = None,
     ) -> torch.Tensor:
         """`[batch, keep, vocab]` float32 target logits for the last `keep` of the new tokens (`pack`: computing
-        only the real ones, see `Placement.forward`)."""
+        only the real ones, see `Placement.forward`; `host_mask`: `query_mask` on the host, if known)."""
         self.stats.target_forwards += 1
         return self.placement.forward(
-            self.model, self.target_cache, ids, query_mask, positions, keep, visibility, pack=pack
+            self.model, self.target_cache, ids, query_mask, positions, keep, visibility, pack=pack, host_mask=host_mask
         )
 
     def _verify(
@@ -503,29 +531,46 @@ class _Run:
         return self.decisions.verdict(tree, outcome)
 
     # ---- emitting tokens and finishing rows --------------------------------------------------------------------------
+    def _read(
+        self, batch: TokenBatch, outcome: TreeVerification, deepest: torch.LongTensor
+    ) -> tuple[torch.LongTensor, HostOutcome]:
+        """The step's one read of the device: `outcome` with each row's emitted tokens cut at its length budget and
+        after its first EOS. Returns those counts (`[batch]`, on the device) and everything on the host, with the
+        depth of each row's deepest draft node (`deepest` `[batch]`)."""
+        counts = (outcome.accepted + 1).minimum(batch.remaining)
+        finished = counts >= batch.remaining
+        counts, finished = self._cut_at_eos(outcome.emitted, counts, finished)
+        return counts, HostOutcome.read(outcome, counts, finished, deepest)
+
     def _emit(
-        self, batch: TokenBatch, emitted: torch.LongTensor, counts: torch.LongTensor, before: dict[str, torch.Tensor]
+        self,
+        batch: TokenBatch,
+        emitted: torch.LongTensor,
+        counts: torch.LongTensor,
+        host: HostOutcome,
+        before: dict[str, torch.Tensor],
     ) -> TokenBatch:
-        """Append each row's emitted tokens up to its first stop; move finished rows to the output.
+        """Append each row's emitted tokens (`emitted` `[batch, width]`, the first `counts` `[batch]`, as `_read` cut
+        them; `host`: the same on the host), cut further at extra stopping criteria; move finished rows to the output.
 
         `before` holds the processed `scores` and raw `logits` (`[batch, width, vocab]`) before each emitted token,
         as far as extra stopping criteria and `output_scores` / `output_logits` need them.
         """
-        counts = counts.minimum(batch.remaining)
-        finished = counts >= batch.remaining
-        counts, finished = self._cut_at_eos(emitted, counts, finished)
-        counts, finished = self._cut_at_row_criteria(batch, emitted, counts, finished, before.get("scores"))
+        host_counts, finished = host.counts, host.finished
+        if self.row_criteria:
+            host_counts, finished = self._cut_at_row_criteria(batch, emitted, host_counts, finished, before.get("scores"))
+            counts = upload(host_counts, counts.device)
         for name, record in self.kept.items():
-            record.add(batch.row_ids, counts, before[name])
-        batch.append(emitted, counts)
-        self.stats.emitted_tokens += int(counts.sum())
+            record.add(batch.host.row_ids, host_counts, before[name])
+        batch.append(emitted, counts, host.emitted, host_counts)
+        self.stats.emitted_tokens += int(host_counts.sum())
         if self.criteria is not None:
-            self.criteria.record(batch.row_ids, emitted, counts, finished, before["scores"])
-            counts, finished = self._stop_rows(batch, self.criteria.stops(), counts, finished)
+            self.criteria.record(batch.host.row_ids, emitted, host_counts, finished, before["scores"])
+            host_counts, finished = self._stop_rows(batch, self.criteria.stops(), host_counts, finished)
         if self.stats.steps and self.config.collect_step_stats:
-            self.stats.steps[-1].emitted = counts.tolist()
+            self.stats.steps[-1].emitted = host_counts.tolist()
         if self.streamer is not None:
-            self.streamer.put(emitted[0, : int(counts[0])].cpu())
+            self.streamer.put(host.emitted[0, : int(host_counts[0])].clone())
         return self._drop_finished(batch, finished)
 
     def _cut_at_eos(
@@ -548,7 +593,7 @@ class _Run:
         scores: torch.Tensor | None,
     ) -> tuple[torch.LongTensor, torch.BoolTensor]:
         """Criteria that answer for each row from its own tokens (stop strings, tighter EOS and length criteria), asked
-        token by token on each row's plain prefix as soon as it has the token."""
+        token by token on each row's plain prefix as soon as it has the token (`counts`, `finished`: on the host)."""
         if not self.row_criteria:
             return counts, finished
         counts, finished = counts.clone(), finished.clone()
@@ -565,18 +610,19 @@ class _Run:
     ) -> tuple[torch.LongTensor, torch.BoolTensor]:
         """Finish the rows stopping criteria stopped (`{row id: generated tokens}`), each cut back to its length,
         whether it is still in `batch` or already in the output; returns this step's counts and finished rows after
-        the cuts."""
+        the cuts (on the host, as given)."""
         if not stopped:
             return counts, finished
         counts, finished = counts.clone(), finished.clone()
-        index = {row: i for i, row in enumerate(batch.row_ids.tolist())}
+        index = {row: i for i, row in enumerate(batch.host.row_ids.tolist())}
         start = self.input_ids.shape[1]
         for row, length in stopped.items():
             if row in index:
                 i = index[row]
-                before = int(batch.num_generated[i])
-                batch.tokens[i, start + length : start + before] = self.pad_id
-                batch.num_generated[i] = length
+                before = int(batch.host.num_generated[i])
+                for tokens, generated in ((batch.tokens, batch.num_generated), (batch.host.tokens, batch.host.num_generated)):
+                    tokens[i, start + length : start + before] = self.pad_id
+                    generated[i] = length
                 counts[i] = max(0, length - (before - int(counts[i])))
                 finished[i] = True
             else:
@@ -589,48 +635,49 @@ class _Run:
         return counts, finished
 
     def _drop_finished(self, batch: TokenBatch, finished: torch.BoolTensor) -> TokenBatch:
+        """Move the rows `finished` (`[batch]`, on the host) to the output; the batch of the others."""
         if not bool(finished.any()):
             return batch
-        done = finished.nonzero().squeeze(1)
+        host_done, host_keep = finished.nonzero().squeeze(1), (~finished).nonzero().squeeze(1)
+        done, keep = upload(host_done, batch.tokens.device), upload(host_keep, batch.tokens.device)
         rows = batch.row_ids[done]
-        self.proposer.finish_rows(batch, done)
+        self.proposer.finish_rows(batch, host_done)
         if batch.tokens.shape[1] > self.output.shape[1]:
             self.output = widen(self.output, batch.tokens.shape[1] - self.output.shape[1], self.pad_id)
         self.output[rows, : batch.tokens.shape[1]] = batch.tokens[done]
         self.output_generated[rows] = batch.num_generated[done]
-        keep = (~finished).nonzero().squeeze(1)
-        if keep.numel():
-            self.target_cache.select_rows(keep)
-            self.proposer.select_rows(keep)
-        return batch.select_rows(keep)
+        if host_keep.numel():
+            self.target_cache.select_rows(keep, host_keep)
+            self.proposer.select_rows(host_keep)
+        return batch.select_rows(keep, host_keep)
 
     def _observe(
         self,
         requested: torch.LongTensor,
         proposal: Proposal,
         tree: TokenTree,
-        outcome: TreeVerification,
+        host: HostOutcome,
         draft_seconds: float,
         catchup_seconds: float,
         verify_seconds: float,
         batch: TokenBatch,
     ) -> None:
+        lengths = proposal.lengths_on_host()  # [batch]
         # tokens the verify forward computed: the real ones when packed, every row padded to the widest otherwise
-        target_tokens = int(tree.valid.sum()) if self.packs else batch.batch_size * tree.num_nodes
-        depths = tree.depths.max(dim=1).values  # [batch] draft tokens on each row's longest path (chains: lengths)
+        target_tokens = int(lengths.sum()) + batch.batch_size if self.packs else batch.batch_size * tree.num_nodes
         free_rows = self.proposer.last_free_rows if proposal.max_length else None
         catchup_tokens = self.proposer.catchup_tokens if catchup_seconds > 0 else 0
         feedback = StepFeedback(
-            batch.row_ids, requested, depths, outcome.accepted, draft_seconds, verify_seconds, target_tokens,
-            catchup_seconds, catchup_tokens, free_rows,
+            batch.host.row_ids, requested, host.deepest, host.accepted, float(draft_seconds), verify_seconds,
+            target_tokens, catchup_seconds, catchup_tokens, free_rows,
         )
         self.policy.observe(feedback)
-        self._count_reused(proposal, outcome)
+        self._count_reused(proposal, host)
         stats = self.stats
         stats.num_steps += 1
-        stats.draft_tokens += int(proposal.lengths.sum())
-        stats.accepted_tokens += int(outcome.accepted.sum())
-        stats.draft_seconds += draft_seconds
+        stats.draft_tokens += int(lengths.sum())
+        stats.accepted_tokens += int(host.accepted.sum())
+        stats.draft_seconds += float(draft_seconds)
         stats.catchup_seconds += catchup_seconds
         stats.verify_seconds += verify_seconds
         stats.compactions = self.target_cache.compactions
@@ -638,18 +685,18 @@ class _Run:
             stats.steps.append(
                 StepRecord(
                     batch_size=batch.batch_size,
-                    row_ids=batch.row_ids.tolist(),
+                    row_ids=batch.host.row_ids.tolist(),
                     requested_lengths=requested.tolist(),
-                    draft_lengths=proposal.lengths.tolist(),
-                    accepted=outcome.accepted.tolist(),
+                    draft_lengths=lengths.tolist(),
+                    accepted=host.accepted.tolist(),
                     emitted=[],
-                    draft_seconds=draft_seconds,
+                    draft_seconds=float(draft_seconds),
                     verify_seconds=verify_seconds,
                     target_tokens=target_tokens,
                     catchup_seconds=catchup_seconds,
                     catchup_tokens=catchup_tokens,
                     free_rows=free_rows.tolist() if free_rows is not None else None,
-                    draft_depths=depths.tolist() if proposal.parents is not None else None,
+                    draft_depths=host.deepest.tolist() if proposal.parents is not None else None,
                 )
             )
 

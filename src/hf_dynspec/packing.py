@@ -46,10 +46,18 @@ class Packing:
     fold: bool = True  # attention with grouped-query heads folded (`hf_dynspec.attention`)
 
     @classmethod
-    def of(cls, query_mask: torch.LongTensor, mask: torch.Tensor, fold: bool = True) -> Packing:
-        """The packing of a `[batch, width]` block whose real tokens are the 1s of `query_mask`."""
+    def of(
+        cls, query_mask: torch.LongTensor, mask: torch.Tensor, fold: bool = True, device: torch.device | None = None
+    ) -> Packing:
+        """The packing of a `[batch, width]` block whose real tokens are the 1s of `query_mask`. Given a `device`,
+        `query_mask` is on the host and the positions go to `device` without a synchronisation."""
         batch, width = query_mask.shape
-        return cls(query_mask.reshape(-1).nonzero().squeeze(1), batch, width, mask, fold)
+        flat = query_mask.reshape(-1).nonzero().squeeze(1)  # [total]
+        if device is not None:
+            from .placement import upload  # placement imports this module
+
+            flat = upload(flat, device)
+        return cls(flat, batch, width, mask, fold)
 
     @property
     def total(self) -> int:

@@ -154,6 +154,7 @@ class Placement:
         visibility: torch.BoolTensor | None = None,
         head: DraftHead | None = None,
         pack: bool = False,
+        host_mask: torch.LongTensor | None = None,
     ) -> torch.Tensor:
         """One forward of `model` (target or draft) over new tokens, extending its ragged cache.
 
@@ -169,15 +170,17 @@ class Placement:
             head: the draft's output layer over part of the vocabulary (`-inf` elsewhere); `None`: the model's own.
             pack: compute only the real tokens (`hf_dynspec.packing`) when the block has padding, `visibility` is
                 given, every position's logits are kept, and the model can be packed (`can_pack`).
+            host_mask: `query_mask` on the host, if the caller has it (else copied from the device).
 
         Returns:
             `[batch, keep, vocab]` float32 logits on the loop device.
         """
         device = input_device(model)
-        attention_mask = self._attention_mask(model, cache, query_mask, positions, visibility)
+        host_mask = query_mask.to("cpu", copy=True) if host_mask is None else host_mask
+        attention_mask = self._attention_mask(model, cache, query_mask, positions, visibility, host_mask)
         holes = pack and visibility is not None and keep == ids.shape[1] and head is None
-        if holes and bool((query_mask == 0).any()):
-            return self._packed_forward(model, cache, ids, query_mask, positions, attention_mask)
+        if holes and bool((host_mask == 0).any()):
+            return self._packed_forward(model, cache, ids, host_mask, positions, attention_mask)
         inputs = dict(
             input_ids=ids.to(device, non_blocking=True),
             attention_mask=_to(attention_mask, device),
@@ -199,14 +202,14 @@ class Placement:
         model: PreTrainedModel,
         cache: RaggedCache,
         ids: torch.LongTensor,
-        query_mask: torch.LongTensor,
+        host_mask: torch.LongTensor,
         positions: torch.LongTensor,
         attention_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """`forward` over the real tokens of the block alone (`hf_dynspec.packing`): `[batch, width, vocab]` logits,
-        zeros on padding."""
+        """`forward` over the real tokens of the block alone (`hf_dynspec.packing`; `host_mask`: its real tokens, on
+        the host): `[batch, width, vocab]` logits, zeros on padding."""
         device = input_device(model)
-        packing = Packing.of(query_mask.to(device), _to(attention_mask, device), self.fold_attention)
+        packing = Packing.of(host_mask, _to(attention_mask, device), self.fold_attention, device)
         inputs = dict(input_ids=packing.pack(ids.to(device)), position_ids=packing.pack(positions.to(device)),
                       use_cache=True)  # [1, total] each
         inputs[_cache_kwarg(type(model))] = PackedCache(cache.cache, packing)
@@ -223,14 +226,18 @@ class Placement:
         query_mask: torch.LongTensor,
         positions: torch.LongTensor,
         visibility: torch.BoolTensor | None,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        host_mask: torch.LongTensor | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """The mask of a forward, after registering its new columns in `cache`: 2D over cache and new tokens for a
-        causal block; 4D for token trees and for models with sliding windows (a mask per layer type for a hybrid
-        model, see `windowed_attention_masks`)."""
+        causal block (for one token per row under SDPA, the 4D mask transformers would build, `_one_token_sdpa_mask`);
+        4D for token trees and for models with sliding windows (a mask per layer type for a hybrid model, see
+        `windowed_attention_masks`)."""
         cache_valid = cache.valid  # [batch, length] before this forward's columns
-        mask = cache.begin(query_mask)
+        mask = cache.begin(query_mask, host_mask)
         windows = self.windows.get(id(model))
         if windows is None and visibility is None:
+            if query_mask.shape[1] == 1 and getattr(model.config, "_attn_implementation", None) == "sdpa":
+                return _one_token_sdpa_mask(mask, cache.host_valid)
             return mask
         if visibility is None:
             visibility = causal_visibility(cache_valid.shape[1], query_mask.to(cache_valid.device))
@@ -244,7 +251,8 @@ class Placement:
         return logits.to(self.loop_device, dtype=torch.float32)
 
     def clock(self) -> float:
-        """Wall time after waiting for pending CUDA work on every device of both models, so step timings are honest.
+        """Wall time after waiting for pending CUDA work on every device of both models (a synchronisation): for
+        timings taken once, outside the steps. Steps time themselves with `instant` and `since`, which never wait.
 
         On a CPU every forward (and every accelerate offload copy) is synchronous, so no wait is needed there.
         """
@@ -252,9 +260,114 @@ class Placement:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    def instant(self) -> Instant:
+        """Now, on the host's clock and on every CUDA device of both models (an event on each device's current
+        stream), recorded without waiting for the device."""
+        return Instant.now(self.cuda_devices)
 
-def _to(mask: torch.Tensor | dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    def since(self, start: Instant, end: Instant | None = None) -> float | Seconds:
+        """Seconds from `start` to `end` (default: now), as `elapsed`."""
+        return elapsed(start, end)
+
+
+@dataclass(frozen=True)
+class Instant:
+    """A moment of the loop: the host's clock, and a CUDA event recorded on the current stream of each CUDA device
+    the models compute on (none on a CPU)."""
+
+    wall: float
+    events: tuple = ()
+    devices: tuple[torch.device, ...] = ()  # the CUDA devices of `events`
+
+    @classmethod
+    def now(cls, cuda_devices: tuple[torch.device, ...] = ()) -> Instant:
+        events = []
+        for device in cuda_devices:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return cls(time.perf_counter(), tuple(events), tuple(cuda_devices))
+
+
+def elapsed(start: Instant, end: Instant | None = None) -> float | Seconds:
+    """Seconds from `start` to `end` (default: now, on `start`'s devices) as the devices ran the work between them
+    (`Seconds`, read when used); where no CUDA device is involved, every forward is synchronous, and this is the
+    host's clock, as a float."""
+    end = Instant.now(start.devices) if end is None else end
+    return Seconds(start, end) if end.events else end.wall - start.wall
+
+
+def cuda_devices(*models: torch.nn.Module | None) -> tuple[torch.device, ...]:
+    """Every CUDA device the given models compute on (`model_devices`), in a fixed order."""
+    devices = set().union(*(model_devices(m) for m in models if m is not None))
+    return tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
+
+
+class Seconds:
+    """The seconds between two `Instant`s on the devices' clocks, read when first used as a number: the most any
+    device's stream took from the first instant's event to the second's. Reading waits for the second instant's
+    events, which costs nothing once the step's read of the device (`readback`) has passed them; so the loop takes
+    its timings before that read and uses them after it."""
+
+    __slots__ = ("_start", "_end", "_value")
+
+    def __init__(self, start: Instant, end: Instant) -> None:
+        self._start, self._end, self._value = start, end, None
+
+    def __float__(self) -> float:
+        if self._value is None:
+            elapsed = []
+            for first, last in zip(self._start.events, self._end.events):
+                last.synchronize()
+                elapsed.append(first.elapsed_time(last) / 1000.0)
+            self._value = max(elapsed, default=self._end.wall - self._start.wall)
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Seconds({float(self)!r})"
+
+    def __add__(self, other: object) -> float:
+        return float(self) + float(other)
+
+    def __radd__(self, other: object) -> float:
+        return float(other) + float(self)
+
+    def __sub__(self, other: object) -> float:
+        return float(self) - float(other)
+
+    def __rsub__(self, other: object) -> float:
+        return float(other) - float(self)
+
+    def __lt__(self, other: object) -> bool:
+        return float(self) < float(other)
+
+    def __gt__(self, other: object) -> bool:
+        return float(self) > float(other)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy on `device` of a host tensor that never makes the host wait: through pinned memory without blocking on
+    CUDA (from pageable memory the copy may wait for the device), a plain copy elsewhere. The host tensor may change
+    afterwards."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device, non_blocking=True, copy=True)
+
+
+def _one_token_sdpa_mask(mask: torch.LongTensor, host_mask: torch.LongTensor) -> torch.BoolTensor | None:
+    """The attention mask of a forward over one new token per row for a model with SDPA attention, from its 2D mask
+    (`mask` `[batch, length]`, and the same on the host): what transformers builds from it, built here because
+    transformers would read the mask on the device to find out whether it may leave it out. `None` (SDPA without a
+    mask) when every entry is 1; else `[batch, 1, 1, length]`, True where visible."""
+    return None if bool(host_mask.all()) else mask.bool()[:, None, None, :]
+
+
+def _to(
+    mask: torch.Tensor | dict[str, torch.Tensor] | None, device: torch.device
+) -> torch.Tensor | dict[str, torch.Tensor] | None:
     """An attention mask (or a model's masks per layer type) on `device`."""
+    if mask is None:
+        return None
     if isinstance(mask, dict):
         return {kind: value.to(device, non_blocking=True) for kind, value in mask.items()}
     return mask.to(device, non_blocking=True)

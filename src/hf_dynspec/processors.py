@@ -81,16 +81,31 @@ def process_tree_logits(
     """Apply `processors` to the scores at every valid node of `tree` (`[batch, nodes, vocab]`).
 
     The scores at node `j` follow the row's plain prefix and the draft tokens on the path from the root to `j`.
-    Placeholder slots keep their unprocessed scores (the verifier never reads them).
+    Placeholder slots keep their unprocessed scores (the verifier never reads them). Processors that work row by row
+    on the device (`PREFIX_FREE_PROCESSORS`, the repetition penalty) process every slot and the placeholders' scores
+    are put back, so finding the valid nodes never reads the device; others run per valid node.
     """
     if not processors:
         return scores
+    if row_wise(processors):
+        num_rows, nodes, vocab = scores.shape
+        rows = torch.arange(num_rows, device=scores.device).repeat_interleave(nodes)  # [batch * nodes]
+        paths = tree.paths()[:, :, 1:].flatten(0, 1)  # [batch * nodes, depth] path nodes after the root, -1 padded
+        drafts = tree.tokens[rows].gather(1, paths.clamp(min=0))  # [batch * nodes, depth]
+        flat = process_path_logits(processors, batch, rows, drafts, tree.depths.flatten(), scores.flatten(0, 1))
+        return torch.where(tree.valid.unsqueeze(2), flat.view(num_rows, nodes, vocab), scores)
     rows, nodes = tree.valid.nonzero(as_tuple=True)  # [items] each
     paths = tree.paths()[rows, nodes, 1:]  # [items, max_depth] path nodes after the root, -1 padded
     drafts = tree.tokens[rows].gather(1, paths.clamp(min=0))  # [items, max_depth]
     out = scores.clone()
     out[rows, nodes] = process_path_logits(processors, batch, rows, drafts, tree.depths[rows, nodes], scores[rows, nodes])
     return out
+
+
+def row_wise(processors: LogitsProcessorList) -> bool:
+    """Whether every processor works on each row's scores apart, on the device (`PREFIX_FREE_PROCESSORS`, the
+    repetition penalty): processing more rows than needed then changes none of the others."""
+    return all(isinstance(p, PREFIX_FREE_PROCESSORS) or type(p) is RepetitionPenaltyLogitsProcessor for p in processors)
 
 
 def process_path_logits(

@@ -165,14 +165,15 @@ def verify_tree_sampling(
     current = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)  # node each row stands at
     descending = torch.ones(batch, dtype=torch.bool, device=tree.tokens.device)
     distribution = torch.zeros_like(target_probs[:, 0])  # [batch, vocab] where each row samples its next token
-    for _ in range(tree.max_depth + 1):
+    stops_early = tree.depth_bound is None  # a tree with host-known bounds walks them all: the device is never read
+    for _ in range(tree.depth_limit + 1):
         p = target_probs[rows, current]  # [batch, vocab]
         q = None if draft_probs is None else draft_probs[rows, current]
         moved_to, moved = current.clone(), torch.zeros_like(descending)
         for rank in range(children.shape[2]):
             child = children[rows, current, rank]  # [batch]
             trying = descending & ~moved & (child >= 0)
-            if not bool(trying.any()):
+            if stops_early and not bool(trying.any()):
                 break
             token = tree.tokens.gather(1, child.clamp(min=0).unsqueeze(1))  # [batch, 1]
             q_child = torch.zeros_like(p).scatter_(1, token, 1.0) if q is None else q
@@ -185,7 +186,7 @@ def verify_tree_sampling(
                 q = torch.where(rejected, _without_token(q, token), q)
         distribution = torch.where((descending & ~moved).unsqueeze(1), p, distribution)
         descending, current = descending & moved, moved_to
-        if not bool(descending.any()):
+        if stops_early and not bool(descending.any()):
             break
     next_tokens = torch.multinomial(distribution, 1, generator=generator).squeeze(1)
     return tree_outcome(tree, current, next_tokens, tree.paths())

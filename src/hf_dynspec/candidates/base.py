@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sequences import TokenBatch
-from .tree import TokenTree
+from .tree import TokenTree, checks_loop_trees
 
 # Called after each draft token with (rows `[n]`: indices into the step's batch of the rows that just drew one,
 # positions `[n]`: the token's index in each row's draft, the draft's probability of each token `[n]`); returns `[n]`
@@ -31,19 +31,32 @@ class Proposal:
     lengths: torch.LongTensor  # [batch] draft tokens per row (0 allowed)
     probs: torch.Tensor | None  # [batch, max_length, vocab] distribution q each token was sampled from; None = one-hot
     parents: torch.LongTensor | None = None  # [batch, max_length] parent node of each draft token; None = a chain
+    host_lengths: torch.LongTensor | None = None  # [batch] `lengths` on the host, when the proposer knows them there
 
     @property
     def max_length(self) -> int:
         return int(self.tokens.shape[1])
 
+    def lengths_on_host(self) -> torch.LongTensor:
+        """`[batch]` `lengths` on the host (`host_lengths`, else copied from the device: a synchronisation)."""
+        if self.host_lengths is None:
+            self.host_lengths = self.lengths.to("cpu", copy=True)
+        return self.host_lengths
+
     def tree(self, root: torch.LongTensor) -> TokenTree:
-        """The proposal as a `TokenTree` of `1 + max_length` nodes under `root` (`[batch]` newest committed tokens)."""
+        """The proposal as a `TokenTree` of `1 + max_length` nodes under `root` (`[batch]` newest committed tokens).
+
+        Its structure is checked only where `tree.CHECK_ENV` asks for it (the checks read it on the host); its
+        `depth_bound` is `max_length`."""
+        check = checks_loop_trees()
         if self.parents is None:
-            return TokenTree.from_chain(self.tokens, self.lengths, root)
+            return TokenTree.from_chain(self.tokens, self.lengths, root, check=check)
         valid = torch.arange(self.max_length + 1, device=self.tokens.device).unsqueeze(0) <= self.lengths.unsqueeze(1)
         tokens = torch.cat([root.unsqueeze(1).to(self.tokens.device), self.tokens], dim=1)  # [batch, 1 + max_length]
         parents = torch.cat([torch.full_like(self.lengths, -1).unsqueeze(1), self.parents], dim=1)
-        return TokenTree.from_parents(tokens, parents, valid)
+        tree = TokenTree.from_parents(tokens, parents, valid, check=check)
+        tree.depth_bound = self.max_length
+        return tree
 
     def node_probs(self, tree: TokenTree) -> torch.Tensor | None:
         """`[batch, nodes, vocab]`: at node `j`, the distribution `q` its children were drawn from (`None`: one-hot)."""

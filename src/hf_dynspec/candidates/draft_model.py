@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -10,12 +12,12 @@ from ..cache import RaggedCache, check_cache_supported, loop_cache
 from ..config import DynSpecConfig
 from ..coupling import perturb
 from ..kernels import LinearPlan
-from ..placement import Placement
-from ..processors import process_path_logits
+from ..placement import Placement, upload
+from ..processors import process_path_logits, row_wise
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_head import DraftHead
-from .prompt_lookup import PromptLookupProposer, lookup_continuation
+from .prompt_lookup import lookup_continuation, padded
 
 MAX_INLINE_TAIL = 2
 """Backlogs up to this width (the newest token, plus the last draft token after a bonus) ride in the first draft
@@ -74,6 +76,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.pad_id = 0
         self.ragged: RaggedCache | None = None
         self.num_seen: torch.LongTensor | None = None  # [batch] real tokens in the draft cache
+        self.host_num_seen: torch.LongTensor | None = None  # [batch] the same on the host
         self.forwards = 0
         self.lookahead: int | None = None  # guess tokens a forward may carry, once drafting starts
         self._fed_nodes: torch.LongTensor | None = None  # [batch, fed] tree node of each draft-cache column fed
@@ -89,6 +92,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         empty = torch.zeros((batch.batch_size, 0), dtype=torch.long, device=batch.tokens.device)
         self.ragged = RaggedCache(cache, empty, self.config.compact_min_holes, self.config.compact_hole_fraction)
         self.num_seen = torch.zeros_like(batch.num_real)
+        self.host_num_seen = torch.zeros_like(batch.host_num_real)
         prompts = batch.tokens[:, : batch.prompt_width]  # [batch, prompt_width]
         self.head = DraftHead.for_batch(self.draft_model, self.config.draft_vocab_size, prompts, self.eos_ids)
 
@@ -115,8 +119,9 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         return perturb(scores, streams, positions)
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
-        """`[batch]` committed tokens of each row not yet in the draft's cache (the prompt, before the first draft)."""
-        return batch.num_real - self.num_seen
+        """`[batch]` committed tokens of each row not yet in the draft's cache (the prompt, before the first draft), on
+        the host."""
+        return batch.host_num_real - self.host_num_seen
 
     def propose(
         self,
@@ -134,30 +139,38 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         sampling: the same draws from the same `q`); only forwards are saved. Tokens a forward yields this way may
         run past the row's length, up to `prompt_lookup_max_tokens` (`_reach`): they cost no forward, only verify
         width. An early stop judges every token as it is drawn, and a row it stops draws nothing more.
+
+        What it takes (`lengths`, on the host) and keeps per row (tokens drawn, draft-cache columns) is also on the
+        host, so drafting reads the device only where the draft decided something the host must know: whether a
+        guess held (with lookahead, once per guess position walked), the tokens just drawn (when the next forward's
+        guesses continue them) and the draft's probabilities (for an early stop).
         """
-        lengths = lengths.clone()
-        begun = self.placement.clock()
+        lengths = lengths.to("cpu", copy=True)
+        begun = self.placement.instant()
         lookahead = self.lookahead = self.lookahead_tokens()  # measured on the first call of a process
-        self.setup_seconds = self.placement.clock() - begun
-        ids, mask, positions = self._unseen_tail(batch)  # [batch, tail]
+        self.setup_seconds = self.placement.since(begun)
+        ids, mask, positions, host_mask = self._unseen_tail(batch)  # [batch, tail]
         reach = self._reach(batch, lengths, lookahead).clone()  # [batch] (cut in place by an early stop)
-        chain = _Chain(batch.batch_size, int(reach.max()) if reach.numel() else 0, lengths.device)
+        chain = _Chain(batch.batch_size, int(reach.max()) if reach.numel() else 0, batch.tokens.device)
         fed: list[torch.LongTensor] = []  # per forward: [batch, columns] node of each column after the tail, or -1
-        while bool((chain.done < lengths).any()):
-            guesses, guessed = self._guesses(batch, chain, lengths, reach, lookahead)  # [batch, g]
-            offsets = torch.arange(1, guesses.shape[1] + 1, device=positions.device)
+        while bool((chain.host_done < lengths).any()):
+            guesses, guessed, host_guess = self._guesses(batch, chain, lengths, reach, lookahead)  # [batch, g]
+            width = guesses.shape[1]
+            offsets = torch.arange(1, width + 1, device=positions.device)
             scores = self._forward(
                 torch.cat([ids, guesses], 1), torch.cat([mask, guessed], 1),
-                torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guesses.shape[1],
+                torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + width,
+                host_mask=torch.cat([host_mask, host_guess[1]], 1),
             )  # [batch, 1 + g, vocab]
-            before = chain.done.clone()
-            lengths, reach = self._walk(batch, chain, scores, (guesses, guessed), lengths, reach, early_stop)
-            matched = torch.arange(guesses.shape[1], device=lengths.device) < (chain.done - before - 1).unsqueeze(1)
-            self.ragged.set_last(guessed * matched)  # guesses past a row's first mismatch become holes now
-            nodes = torch.where(guessed.bool() & matched, before.unsqueeze(1) + offsets, -1)  # [batch, g]
-            anchors = torch.where(mask[:, -1:].bool(), before.unsqueeze(1), -1)  # the newest draft token fed
+            before = chain.host_done.clone()
+            lengths, reach = self._walk(batch, chain, scores, (guesses, host_guess), lengths, reach, early_stop)
+            matched = torch.arange(width) < (chain.host_done - before - 1).unsqueeze(1)  # [batch, g]
+            valid = host_guess[1] * matched  # guesses past a row's first mismatch become holes now
+            self.ragged.set_last(upload(valid, guessed.device), valid)
+            nodes = torch.where(valid.bool(), before.unsqueeze(1) + torch.arange(1, width + 1), -1)  # [batch, g]
+            anchors = torch.where(host_mask[:, -1:].bool(), before.unsqueeze(1), -1)  # the newest draft token fed
             fed.append(nodes if not fed else torch.cat([anchors, nodes], 1))
-            ids, mask, positions = chain.anchors(batch, lengths)
+            ids, mask, positions, host_mask = chain.anchors(batch, lengths)
             chain.forwards += 1
         self._fed_nodes = torch.cat(fed, 1) if fed else lengths.new_zeros((batch.batch_size, 0))
         return chain.proposal()
@@ -169,133 +182,205 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         return draft_lookahead_tokens(self.draft_model, self.config, plan, base)
 
     def _reach(self, batch: TokenBatch, lengths: torch.LongTensor, lookahead: int) -> torch.LongTensor:
-        """`[batch]` most draft tokens each row may end with: its length, or with lookahead up to
+        """`[batch]` most draft tokens each row may end with (on the host): its length, or with lookahead up to
         `prompt_lookup_max_tokens` (never past the row's remaining budget) for rows that draft at all."""
         if not lookahead:
             return lengths
-        room = (batch.remaining.to(lengths.device) - 1).clamp(min=0, max=self.config.prompt_lookup_max_tokens)
+        room = (batch.host_remaining - 1).clamp(min=0, max=self.config.prompt_lookup_max_tokens)
         return torch.where(lengths > 0, lengths.maximum(room), lengths)
 
     def _guesses(
         self, batch: TokenBatch, chain: _Chain, lengths: torch.LongTensor, reach: torch.LongTensor, lookahead: int
-    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+    ) -> tuple[torch.LongTensor, torch.LongTensor, tuple[torch.LongTensor, torch.LongTensor]]:
         """`[batch, g]` prompt-lookup guesses of each row's next draft tokens (all but its last, which is never fed)
-        and their mask; width 0 without lookahead."""
-        wanted = torch.where(chain.done < lengths, reach - chain.done - 1, 0).clamp(min=0)  # [batch]
-        drafted = [chain.tokens[row, : int(chain.done[row])] for row in range(batch.batch_size)]
+        and their mask, on the device and on the host (`_lookups`); width 0 without lookahead."""
+        wanted = torch.where(chain.host_done < lengths, reach - chain.host_done - 1, 0).clamp(min=0)  # [batch]
+
+        def drafted() -> list[torch.LongTensor]:
+            tokens = chain.host_tokens()
+            return [tokens[row, : int(chain.host_done[row])] for row in range(batch.batch_size)]
+
         return self._lookups(batch, drafted, wanted, lookahead)
 
     def _lookups(
-        self, batch: TokenBatch, drafted: list[torch.LongTensor], wanted: torch.LongTensor, lookahead: int
-    ) -> tuple[torch.LongTensor, torch.LongTensor]:
-        """`[batch, g]` prompt-lookup continuations of each row's tokens followed by its `drafted` ones, at most
-        `wanted[b]` long, and their mask.
+        self,
+        batch: TokenBatch,
+        drafted: list[torch.LongTensor] | Callable[[], list[torch.LongTensor]],
+        wanted: torch.LongTensor,
+        lookahead: int,
+    ) -> tuple[torch.LongTensor, torch.LongTensor, tuple[torch.LongTensor, torch.LongTensor]]:
+        """`[batch, g]` prompt-lookup continuations of each row's tokens followed by its `drafted` ones (or a function
+        that returns them, called only when some row looks up), at most `wanted[b]` (`[batch]`, on the host) long,
+        and their mask; both on the device, then both on the host.
 
         A forward is saved only when every drafting row's guess holds, while each guess widens the forward, so the
         `lookahead` guess tokens of a forward are shared among the rows that want them: all to one row at batch
         size 1 (where a wider forward costs little), none when more rows draft than there are guess tokens."""
         share = lookahead // max(1, int((wanted > 0).sum()))
         if share == 0:
-            return batch.tokens.new_zeros((batch.batch_size, 0)), batch.tokens.new_zeros((batch.batch_size, 0))
+            empty = torch.zeros((batch.batch_size, 0), dtype=torch.long)
+            return batch.tokens.new_zeros(empty.shape), batch.tokens.new_zeros(empty.shape), (empty, empty)
         wanted = wanted.clamp(max=share)
+        drafted = drafted() if callable(drafted) else drafted
         found = [
             lookup_continuation(
-                torch.cat([batch.real_tokens(row), drafted[row].to(batch.tokens.device)]),
+                torch.cat([batch.host_real_tokens(row), drafted[row].to("cpu", copy=True)]),
                 self.config.prompt_lookup_max_ngram, self.config.prompt_lookup_min_ngram, int(wanted[row]),
             )
-            if int(wanted[row]) > 0 else batch.tokens.new_zeros(0)
+            if int(wanted[row]) > 0 else torch.zeros(0, dtype=torch.long)
             for row in range(batch.batch_size)
         ]
-        padded = PromptLookupProposer.proposal(batch, found)  # [batch, g] tokens and each row's count
-        guessed = torch.arange(padded.max_length, device=padded.lengths.device) < padded.lengths.unsqueeze(1)
-        return padded.tokens, guessed.long()
+        tokens, counts = padded(found, batch.batch_size, batch.pad_id)  # [batch, g] tokens and each row's count
+        guessed = (torch.arange(tokens.shape[1]) < counts.unsqueeze(1)).long()
+        device = batch.tokens.device
+        return upload(tokens, device), upload(guessed, device), (tokens, guessed)
 
     def _walk(
         self,
         batch: TokenBatch,
         chain: _Chain,
         scores: torch.Tensor,
-        guess: tuple[torch.LongTensor, torch.LongTensor],
+        guess: tuple[torch.LongTensor, tuple[torch.LongTensor, torch.LongTensor]],
         lengths: torch.LongTensor,
         reach: torch.LongTensor,
         early_stop: EarlyStop | None,
     ) -> tuple[torch.LongTensor, torch.LongTensor]:
         """Draw draft tokens from one forward's `scores` (`[batch, 1 + g, vocab]`): position 0 follows each row's newest
-        token, position `j` follows guess `j - 1` (`guess`: tokens and mask, `[batch, g]`), valid while every earlier
-        guess matched the draw. Returns `lengths` and `reach`, both cut to the tokens drawn where `early_stop` ends a
-        row."""
-        guesses, guessed = guess
-        walking = torch.ones_like(chain.done, dtype=torch.bool)  # [batch] every guess so far matched
+        token, position `j` follows guess `j - 1` (`guess`: tokens on the device, then tokens and mask on the host,
+        `[batch, g]`), valid while every earlier guess matched the draw. Returns `lengths` and `reach` (on the host),
+        both cut to the tokens drawn where `early_stop` ends a row."""
+        if early_stop is None and not self.do_sample and row_wise(self.logits_processor) and guess[1][0].shape[1]:
+            return self._walk_greedy(batch, chain, scores, guess, lengths, reach)
+        _, (host_guesses, guessed) = guess
+        walking = torch.ones_like(chain.host_done, dtype=torch.bool)  # [batch] every guess so far matched
         for j in range(scores.shape[1]):
             if j == 0:
-                active = walking & (chain.done < lengths)
+                active = walking & (chain.host_done < lengths)
             else:  # guesses exist only within each row's reach
-                active = walking & (chain.done < reach) & guessed[:, j - 1].bool()
+                active = walking & (chain.host_done < reach) & guessed[:, j - 1].bool()
             if not bool(active.any()):
                 break
-            rows = active.nonzero().squeeze(1)
+            host_rows = active.nonzero().squeeze(1)
+            rows = upload(host_rows, scores.device)
+            drawn = chain.done[rows]  # [rows] draft tokens each row has so far
             processed = process_path_logits(
-                self.logits_processor, batch, rows, chain.tokens[rows], chain.done[rows], scores[rows, j]
+                self.logits_processor, batch, rows, chain.tokens[rows], drawn, scores[rows, j]
             )  # [rows, vocab]
-            token, token_probs = self._select(self.perturbed(processed, batch, rows, chain.done[rows]))
+            token, token_probs = self._select(self.perturbed(processed, batch, rows, drawn))
             if early_stop is not None:
-                stopped = self._early_stopped(early_stop, rows, chain.done[rows], token, token_probs, processed)
-                drawn = chain.done[rows] + 1  # [rows] tokens of each row once this one is appended
-                lengths[rows] = torch.where(stopped, drawn.minimum(lengths[rows]), lengths[rows])
-                reach[rows] = torch.where(stopped, drawn, reach[rows])
-            chain.append(active, token, token_probs)
+                done = chain.host_done[host_rows]
+                stopped = self._early_stopped(early_stop, host_rows, done, token, token_probs, processed)
+                lengths[host_rows] = torch.where(stopped, (done + 1).minimum(lengths[host_rows]), lengths[host_rows])
+                reach[host_rows] = torch.where(stopped, done + 1, reach[host_rows])
+            chain.append(active, rows, token, token_probs)
+            if j < host_guesses.shape[1]:
+                walking = active & (chain.host_last() == host_guesses[:, j])  # reads the tokens drawn
+        return lengths, reach
+
+    def _walk_greedy(
+        self,
+        batch: TokenBatch,
+        chain: _Chain,
+        scores: torch.Tensor,
+        guess: tuple[torch.LongTensor, tuple[torch.LongTensor, torch.LongTensor]],
+        lengths: torch.LongTensor,
+        reach: torch.LongTensor,
+    ) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """`_walk` for greedy drafting (no early stop, processors that work row by row) of a forward that fed
+        guesses: every row's token at every position is drawn on the device and kept where the row still walks,
+        which gives each row the tokens `_walk` would, and the forward's outcome is read once, at its end."""
+        guesses, (_, guessed) = guess
+        device = scores.device
+        every = torch.arange(batch.batch_size, device=device)  # [batch]
+        bounds = upload(torch.stack([lengths, reach]), device)  # [2, batch]
+        fed = upload(guessed.bool(), device)  # [batch, g]
+        walking = torch.ones(batch.batch_size, dtype=torch.bool, device=device)
+        for j in range(scores.shape[1]):
+            if j > 0 and not bool(guessed[:, j - 1].any()):
+                break  # no row has a guess here
+            if j == 0:
+                active = walking & (chain.done < bounds[0])
+            else:  # guesses exist only within each row's reach
+                active = walking & (chain.done < bounds[1]) & fed[:, j - 1]
+            processed = process_path_logits(self.logits_processor, batch, every, chain.tokens, chain.done, scores[:, j])
+            token, _ = self._select(self.perturbed(processed, batch, every, chain.done))  # [batch]
+            chain.append_where(active, token)
             if j < guesses.shape[1]:
-                walking = active & (chain.last() == guesses[:, j])
+                walking = active & (token == guesses[:, j])
+        chain.read()
         return lengths, reach
 
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
-        """Draft-cache columns of accepted nodes stay, the other fed nodes become holes; the tail is now seen."""
+        """Draft-cache columns of accepted nodes stay, the other fed nodes become holes; the tail is now seen. `kept`
+        (`[batch, nodes]`) is on the host, as the loop passes it."""
         if proposal.max_length == 0:
             return
-        fed = self._fed_nodes  # [batch, fed] node index per column after the tail, -1 for columns of no node
+        kept = kept.to("cpu", copy=True)
+        fed = self._fed_nodes.to("cpu", copy=True)  # [batch, fed] node per column after the tail, -1 for columns of no node
         # Nodes beyond `kept` only occur on a tensor-parallel rank whose own (sampled) tree was replaced by rank 0's.
         in_tree = (fed >= 0) & (fed < kept.shape[1])
-        kept_fed = kept.to(fed.device).gather(1, fed.clamp(0, kept.shape[1] - 1)) & in_tree  # [batch, fed]
-        self.ragged.set_last(kept_fed.long())
-        self.num_seen = self.num_seen + self._tail_lengths + kept_fed.sum(dim=1)
+        kept_fed = (kept.gather(1, fed.clamp(0, kept.shape[1] - 1)) & in_tree).long()  # [batch, fed]
+        device = self.num_seen.device
+        self.ragged.set_last(upload(kept_fed, device), kept_fed)
+        seen = self._tail_lengths + kept_fed.sum(dim=1)  # [batch]
+        self.num_seen = self.num_seen + upload(seen, device)
+        self.host_num_seen = self.host_num_seen + seen
         self.ragged.settle()
 
     def select_rows(self, keep: torch.LongTensor) -> None:
-        self.ragged.select_rows(keep)
+        """Keep the rows at indices `keep` (`[kept]`, on the host)."""
+        host_keep = keep.to("cpu", copy=True)
+        keep = upload(host_keep, self.num_seen.device)
+        self.ragged.select_rows(keep, host_keep)
         self.num_seen = self.num_seen[keep]
+        self.host_num_seen = self.host_num_seen[host_keep]
 
     def release(self) -> None:
         self.ragged = None
         self.num_seen = None
+        self.host_num_seen = None
         self.head = None
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
-    def _unseen_tail(self, batch: TokenBatch) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    def _unseen_tail(
+        self, batch: TokenBatch
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor, torch.LongTensor]:
         """Ids, mask and positions (`[batch, width]`) of the committed tokens the draft has not seen, to feed in the
-        first draft forward; a wide backlog is caught up first (`_catch_up_backlog`)."""
-        ids, mask, positions = batch.tail(self.num_seen)  # [batch, tail]
-        self._tail_lengths = batch.num_real - self.num_seen  # [batch] committed tokens fed before drafting
-        return self._catch_up_backlog(ids, mask, positions)
+        first draft forward, and the mask again on the host; a wide backlog is caught up first
+        (`_catch_up_backlog`)."""
+        tail = batch.host_num_real - self.host_num_seen  # [batch] committed tokens fed before drafting
+        width = int(tail.max()) if tail.numel() else 0
+        ids, mask, positions = batch.tail(self.num_seen, width)  # [batch, tail]
+        self._tail_lengths = tail
+        host_mask = (torch.arange(width) - width >= -tail.unsqueeze(1)).long()  # [batch, tail] as `batch.tail`'s
+        return self._catch_up_backlog(ids, mask, positions, host_mask)
 
     def _catch_up_backlog(
-        self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor
-    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, host_mask: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor, torch.LongTensor]:
         """Feed all but the newest column of a tail wider than `MAX_INLINE_TAIL` in a timed forward of its own."""
         self.catchup_seconds, self.catchup_tokens = 0.0, 0
         if ids.shape[1] <= MAX_INLINE_TAIL:
-            return ids, mask, positions
-        start = self.placement.clock()
-        self._forward(ids[:, :-1], mask[:, :-1], positions[:, :-1])
-        self.catchup_seconds, self.catchup_tokens = self.placement.clock() - start, ids[:, :-1].numel()
-        return ids[:, -1:], mask[:, -1:], positions[:, -1:]
+            return ids, mask, positions, host_mask
+        start = self.placement.instant()
+        self._forward(ids[:, :-1], mask[:, :-1], positions[:, :-1], host_mask=host_mask[:, :-1])
+        self.catchup_seconds, self.catchup_tokens = self.placement.since(start), ids[:, :-1].numel()
+        return ids[:, -1:], mask[:, -1:], positions[:, -1:], host_mask[:, -1:]
 
     def _forward(
-        self, ids: torch.LongTensor, mask: torch.LongTensor, positions: torch.LongTensor, keep: int = 1
+        self,
+        ids: torch.LongTensor,
+        mask: torch.LongTensor,
+        positions: torch.LongTensor,
+        keep: int = 1,
+        host_mask: torch.LongTensor | None = None,
     ) -> torch.Tensor:
-        """One draft forward over `[batch, width]` new tokens; returns float32 logits `[batch, keep, vocab]` of the
-        last `keep`."""
+        """One draft forward over `[batch, width]` new tokens (`host_mask`: `mask` on the host, if known); returns
+        float32 logits `[batch, keep, vocab]` of the last `keep`."""
         self.forwards += 1
-        return self.placement.forward(self.draft_model, self.ragged, ids, mask, positions, keep, head=self.head)
+        return self.placement.forward(
+            self.draft_model, self.ragged, ids, mask, positions, keep, head=self.head, host_mask=host_mask
+        )
 
     def _select(self, scores: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Pick the draft token from processed scores `[batch, vocab]`; also return q when sampling."""
@@ -320,7 +405,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         keep_going = early_stop(rows, positions, confidence)
         if keep_going is None:
             return torch.zeros_like(rows, dtype=torch.bool)
-        return ~keep_going.to(rows.device)
+        return ~keep_going.to(rows.device)  # `rows` on the host: the answer too
 
     # ---- transformers CandidateGenerator interface (batch size 1) -------------------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
@@ -335,7 +420,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             pad_id=self.pad_id,
         )
         self._catch_up(batch)
-        lengths = torch.full((1,), self._num_assistant_tokens, dtype=torch.long, device=input_ids.device)
+        lengths = torch.full((1,), self._num_assistant_tokens, dtype=torch.long)  # on the host, as the loop passes it
         proposal = self.propose(batch, lengths)
         self._pending = (input_ids, proposal)
         k = int(proposal.lengths[0])
@@ -370,24 +455,54 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
 
 
 class _Chain:
-    """The draft tokens of one `propose`: `tokens` `[batch, longest]`, `done` `[batch]` drawn so far per row, and
-    `probs` `[batch, longest, vocab]` (the `q` of each draw, when sampling)."""
+    """The draft tokens of one `propose`: `tokens` `[batch, longest]`, `done` `[batch]` drawn so far per row (also on
+    the host: `host_done`), and `probs` `[batch, longest, vocab]` (the `q` of each draw, when sampling)."""
 
     def __init__(self, num_rows: int, longest: int, device: torch.device) -> None:
         self.tokens = torch.zeros((num_rows, longest), dtype=torch.long, device=device)
         self.done = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.host_done = torch.zeros(num_rows, dtype=torch.long)
         self.probs: torch.Tensor | None = None
         self.forwards = 0  # draft forwards of this proposal so far
+        self._host_tokens: torch.LongTensor | None = None  # `tokens` on the host, once read
 
-    def append(self, rows: torch.BoolTensor, token: torch.LongTensor, probs: torch.Tensor | None) -> None:
-        """Write one token (`[active]`, with its `q` `[active, vocab]`) after the tokens of each row in `rows`."""
-        index = rows.nonzero().squeeze(1)
-        self.tokens[index, self.done[index]] = token
+    def append(
+        self, active: torch.BoolTensor, rows: torch.LongTensor, token: torch.LongTensor, probs: torch.Tensor | None
+    ) -> None:
+        """Write one token (`[n]`, with its `q` `[n, vocab]`) after the tokens of each row in `rows` (`[n]`, the rows
+        the host mask `active` `[batch]` marks)."""
+        self.tokens[rows, self.done[rows]] = token
         if probs is not None:
             if self.probs is None:
                 self.probs = probs.new_zeros((*self.tokens.shape, probs.shape[-1]))
-            self.probs[index, self.done[index]] = probs
-        self.done = self.done + rows.long()
+            self.probs[rows, self.done[rows]] = probs
+        self.done = self.done.index_add(0, rows, torch.ones_like(rows))
+        self.host_done = self.host_done + active.long()
+        self._host_tokens = None
+
+    def append_where(self, active: torch.BoolTensor, token: torch.LongTensor) -> None:
+        """Write `token[b]` after the tokens of each row where `active` (`[batch]` each, on the device); the host's
+        counts are stale until `read`."""
+        index = self.done.clamp(max=self.tokens.shape[1] - 1).unsqueeze(1)  # [batch, 1]
+        self.tokens.scatter_(1, index, torch.where(active.unsqueeze(1), token.unsqueeze(1), self.tokens.gather(1, index)))
+        self.done = self.done + active.long()
+        self._host_tokens = None
+
+    def read(self) -> None:
+        """`done` and `tokens` on the host, in one read of the device."""
+        both = torch.cat([self.done.unsqueeze(1), self.tokens], dim=1).to("cpu", copy=True)  # [batch, 1 + longest]
+        self.host_done, self._host_tokens = both[:, 0], both[:, 1:]
+
+    def host_tokens(self) -> torch.LongTensor:
+        """`tokens` on the host: a read of the device, unless nothing was drawn since the last one."""
+        if self._host_tokens is None:
+            drew = bool(self.host_done.any())
+            self._host_tokens = self.tokens.to("cpu", copy=True) if drew else torch.zeros(self.tokens.shape, dtype=torch.long)
+        return self._host_tokens
+
+    def host_last(self) -> torch.LongTensor:
+        """`[batch]` each row's newest draft token, on the host (0 for rows without one)."""
+        return self.host_tokens().gather(1, (self.host_done - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
 
     def last(self) -> torch.LongTensor:
         """`[batch]` each row's newest draft token (0 for rows without one)."""
@@ -395,14 +510,14 @@ class _Chain:
 
     def anchors(
         self, batch: TokenBatch, lengths: torch.LongTensor
-    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
-        """Ids, mask and positions (`[batch, 1]`) of each row's newest draft token, to feed next; masked for rows
-        that have drawn all their tokens."""
-        drafting = (self.done < lengths) & (self.done > 0)
+    ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        """Ids, mask and positions (`[batch, 1]`) of each row's newest draft token, to feed next, and the mask on the
+        host; masked for rows that have drawn all their tokens (`lengths`, on the host)."""
+        drafting = ((self.host_done < lengths) & (self.host_done > 0)).long().unsqueeze(1)  # [batch, 1]
         positions = (batch.num_real + self.done - 1).unsqueeze(1)
-        return self.last().unsqueeze(1), drafting.long().unsqueeze(1), positions
+        return self.last().unsqueeze(1), upload(drafting, self.tokens.device), positions, drafting
 
     def proposal(self) -> Proposal:
-        width = int(self.done.max()) if self.done.numel() else 0
+        width = int(self.host_done.max()) if self.host_done.numel() else 0
         probs = self.probs[:, :width] if self.probs is not None else None
-        return Proposal(self.tokens[:, :width], self.done.clone(), probs)
+        return Proposal(self.tokens[:, :width], self.done.clone(), probs, host_lengths=self.host_done.clone())

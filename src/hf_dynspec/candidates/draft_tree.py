@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..placement import upload
 from ..processors import process_path_logits
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
@@ -108,19 +109,23 @@ class DraftTreeProposer(DraftModelProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        budgets = lengths if node_budgets is None else node_budgets.to(lengths.device)  # rows with depth 0 get none
-        ids, mask, positions = self._unseen_tail(batch)
-        self._fed_nodes = lengths.new_zeros((batch.batch_size, 0))
-        if int(lengths.max()) == 0:
-            return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), torch.zeros_like(lengths), None)
-        begun = self.placement.clock()
+        # `lengths` and `node_budgets` come on the host; the tree grows on the device (reading it to choose frontiers)
+        host_lengths, device = lengths.to("cpu", copy=True), batch.tokens.device
+        budgets = upload(host_lengths if node_budgets is None else node_budgets.to("cpu", copy=True), device)  # depth 0: none
+        ids, mask, positions, host_mask = self._unseen_tail(batch)
+        self._fed_nodes = torch.zeros((batch.batch_size, 0), dtype=torch.long)
+        if int(host_lengths.max()) == 0:
+            empty = torch.zeros_like(host_lengths)
+            return Proposal(batch.tokens.new_zeros((batch.batch_size, 0)), upload(empty, device), None, host_lengths=empty)
+        lengths = upload(host_lengths, device)
+        begun = self.placement.instant()
         lookahead = self.lookahead = self.lookahead_tokens()  # measured on the first call of a process
         # a deeper forward feeds the frontier: its guesses must be cheap beside `branching` nodes, not beside one
         frontier_lookahead = min(lookahead, self.lookahead_tokens(self.branching)) if lookahead else 0
-        self.setup_seconds = self.placement.clock() - begun
+        self.setup_seconds = self.placement.since(begun)
         reach = lengths.clone()  # [batch] depth each row may still grow to (cut where `early_stop` ends it)
-        growth, context_length = self._grow_root(batch, (ids, mask, positions), reach, lookahead)
-        for depth in range(1, int(lengths.max())):
+        growth, context_length = self._grow_root(batch, (ids, mask, positions, host_mask), reach, lookahead)
+        for depth in range(1, int(host_lengths.max())):
             if early_stop is not None and not self.do_sample:
                 reach = self._stop_growing(early_stop, growth.candidates, depth, reach, budgets)
                 if not bool((reach > depth).any()):
@@ -146,19 +151,20 @@ class DraftTreeProposer(DraftModelProposer):
     def _grow_root(
         self,
         batch: TokenBatch,
-        tail: tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor],  # ids, mask, positions, [batch, width] each
+        tail: tuple[torch.LongTensor, ...],  # ids, mask, positions and the mask on the host, [batch, width] each
         reach: torch.LongTensor,  # [batch] depth caps
         lookahead: int,
     ) -> tuple[_Growth, int]:
         """The first draft forward: over each row's unseen tail and a guess below the root. Returns the tree with the
         root's children (and whatever the guess grew below them) and the draft cache's length before the tree."""
-        ids, mask, positions = tail
+        ids, mask, positions, host_mask = tail
         root = torch.full_like(reach, -1)  # the root's children have parent -1
         guess = self._tree_guesses(batch, None, root, reach > 0, reach, lookahead)  # [batch, g] tokens and mask
         offsets = torch.arange(1, guess[0].shape[1] + 1, device=positions.device)
         logits = self._forward(
             torch.cat([ids, guess[0]], 1), torch.cat([mask, guess[1]], 1),
             torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + guess[0].shape[1],
+            host_mask=torch.cat([host_mask, self._host_guessed], 1),
         )  # [batch, 1 + g, vocab]: the root, then each guess
         rows = torch.arange(batch.batch_size, device=reach.device)
         root_scores = process_path_logits(
@@ -231,7 +237,7 @@ class DraftTreeProposer(DraftModelProposer):
         else:
             own = _best_node_probability(candidates, rows, depth)
         positions = torch.full_like(rows, depth - 1)
-        keep = early_stop(rows, positions, own)
+        keep = early_stop(rows.to("cpu", copy=True), positions.to("cpu", copy=True), own)  # a policy takes rows on the host
         if keep is None:
             return reach
         stopped = rows[~keep.to(rows.device)]
@@ -283,8 +289,8 @@ class DraftTreeProposer(DraftModelProposer):
             ],
             dim=2,
         )  # [batch, width + g, cache length + width + g]
-        offsets = torch.cat([torch.zeros(width, dtype=torch.long), torch.arange(1, guesses.shape[1] + 1)])
-        positions = (batch.num_real - 1 + depth).unsqueeze(1) + offsets.to(frontier.device)
+        offsets = torch.cat([frontier.new_zeros(width), torch.arange(1, guesses.shape[1] + 1, device=frontier.device)])
+        positions = (batch.num_real - 1 + depth).unsqueeze(1) + offsets
         self.forwards += 1
         logits = self.placement.forward(
             self.draft_model, self.ragged, torch.cat([candidates.tokens[rows, frontier], guesses], dim=1),
@@ -311,7 +317,11 @@ class DraftTreeProposer(DraftModelProposer):
         lookahead: int,
     ) -> tuple[torch.LongTensor, torch.LongTensor]:
         """`[batch, g]` prompt-lookup guesses of the path below each row's `anchor`, and their mask: only as deep as
-        the row may grow (a guess's node is useful when its children are allowed)."""
+        the row may grow (a guess's node is useful when its children are allowed). Reads the paths once, when some
+        row looks up."""
+        if not lookahead:
+            self._host_guessed = torch.zeros((batch.batch_size, 0), dtype=torch.long)
+            return batch.tokens.new_zeros(self._host_guessed.shape), batch.tokens.new_zeros(self._host_guessed.shape)
         if candidates is None:
             depth, paths = torch.zeros_like(anchor), anchor.new_zeros((anchor.shape[0], 0))
         else:
@@ -319,8 +329,10 @@ class DraftTreeProposer(DraftModelProposer):
             depth = candidates.depths.gather(1, index)[:, 0]
             paths = candidates.paths.gather(1, index.unsqueeze(2).expand(-1, -1, candidates.paths.shape[2]))[:, 0]
         room = torch.where(wanted, reach - depth - 1, 0).clamp(min=0)  # [batch]
-        drafted = [paths[row, : int(depth[row])] for row in range(batch.batch_size)]
-        return self._lookups(batch, drafted, room, lookahead)
+        host = torch.cat([room.unsqueeze(1), depth.unsqueeze(1), paths], dim=1).to("cpu", copy=True)  # the one read
+        drafted = [host[row, 2 : 2 + int(host[row, 1])] for row in range(batch.batch_size)]
+        tokens, guessed, (_, self._host_guessed) = self._lookups(batch, drafted, host[:, 0], lookahead)
+        return tokens, guessed
 
     def _adopt_guesses(
         self,
@@ -381,7 +393,8 @@ class DraftTreeProposer(DraftModelProposer):
         if floor > 0 and not self.do_sample:  # a child is never worth more than its parent: what is kept is a tree
             chosen &= (candidates.values >= math.log(floor)) | (rank == 0)
         node_of = torch.where(chosen, chosen.long().cumsum(dim=1), -1)  # [batch, created] tree node, -1 if dropped
-        width = int(chosen.sum(dim=1).max())
+        host_lengths = chosen.sum(dim=1).to("cpu", copy=True)  # [batch] nodes per row, read once
+        width = int(host_lengths.max())
         slot = torch.where(chosen, node_of - 1, width)  # dropped candidates land in an extra slot, cut below
 
         def place(values: torch.LongTensor, fill: int) -> torch.LongTensor:
@@ -394,7 +407,8 @@ class DraftTreeProposer(DraftModelProposer):
         if self.do_sample:
             index = place(candidates.q_index, 0)  # [batch, width]
             probs = q_store.gather(1, index.unsqueeze(2).expand(-1, -1, q_store.shape[2]))
-        return Proposal(place(candidates.tokens, batch.pad_id), chosen.sum(dim=1), probs, place(parent_nodes, 0))
+        return Proposal(place(candidates.tokens, batch.pad_id), chosen.sum(dim=1), probs, place(parent_nodes, 0),
+                        host_lengths=host_lengths)
 
 
 def rows_of(batch: TokenBatch) -> torch.LongTensor:

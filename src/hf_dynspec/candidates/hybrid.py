@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..placement import upload
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import DraftModelProposer
@@ -46,9 +47,9 @@ class HybridProposer(BatchedProposer):
         return self.draft.backlog(batch)
 
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
-        full = torch.full((batch.batch_size,), max_length, dtype=torch.long, device=batch.tokens.device)
+        full = torch.full((batch.batch_size,), max_length, dtype=torch.long)
         self._found, self._anchors = self.lookup.matches(batch, full, MAX_ANCHOR)
-        return torch.tensor([f.shape[0] for f in self._found], dtype=torch.long, device=batch.tokens.device)
+        return torch.tensor([f.shape[0] for f in self._found], dtype=torch.long)  # on the host, as the lookups
 
     def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
         return self.lookup.match_confidence()
@@ -69,10 +70,10 @@ class HybridProposer(BatchedProposer):
     ) -> Proposal:
         if len(self._found) != batch.batch_size:
             self.free_lengths(batch, int(lengths.max()))
-        offered = torch.tensor([f.shape[0] for f in self._found], dtype=torch.long, device=lengths.device)  # [batch]
+        offered = torch.tensor([f.shape[0] for f in self._found], dtype=torch.long)  # [batch], as `lengths`: on the host
         if free_rows is None:
             free_rows = offered >= lengths
-        free_rows = free_rows.to(lengths.device) & (lengths > 0) & (offered > 0)
+        free_rows = free_rows.to("cpu", copy=True) & (lengths > 0) & (offered > 0)
         by_draft = torch.where(free_rows, torch.zeros_like(lengths), lengths)
         self.catchup_seconds, self.catchup_tokens, self.setup_seconds, self._draft_proposal = 0.0, 0, 0.0, None
         if int(by_draft.max()) > 0:
@@ -102,20 +103,23 @@ class HybridProposer(BatchedProposer):
         self.lookup.release()
 
     def _merge(self, looked_up: Proposal, free_rows: torch.BoolTensor) -> Proposal:
-        """One placeholder-padded proposal: lookup rows from `looked_up`, the others from the draft's proposal."""
+        """One placeholder-padded proposal: lookup rows from `looked_up`, the others from the draft's proposal
+        (`free_rows` `[batch]`, on the host)."""
         drafted = self._draft_proposal
         if drafted is None:
             return looked_up
         width = max(looked_up.max_length, drafted.max_length)
+        free = upload(free_rows, drafted.tokens.device)  # [batch]
         tokens = _pad(drafted.tokens, width, 0)  # [batch, width]
-        tokens = torch.where(free_rows.unsqueeze(1), _pad(looked_up.tokens, width, 0), tokens)
-        lengths = torch.where(free_rows, looked_up.lengths, drafted.lengths)
+        tokens = torch.where(free.unsqueeze(1), _pad(looked_up.tokens, width, 0), tokens)
+        lengths = torch.where(free, looked_up.lengths, drafted.lengths)
+        host_lengths = torch.where(free_rows, looked_up.lengths_on_host(), drafted.lengths_on_host())
         probs = None
         if drafted.probs is not None:  # sampling: lookup rows proposed their tokens with q one-hot
             one_hot = torch.nn.functional.one_hot(tokens, drafted.probs.shape[-1]).to(drafted.probs.dtype)
             padded = torch.nn.functional.pad(drafted.probs, (0, 0, 0, width - drafted.max_length))
-            probs = torch.where(free_rows[:, None, None], one_hot, padded)  # [batch, width, vocab]
-        return Proposal(tokens, lengths, probs)
+            probs = torch.where(free[:, None, None], one_hot, padded)  # [batch, width, vocab]
+        return Proposal(tokens, lengths, probs, host_lengths=host_lengths)
 
 
 def _pad(tokens: torch.LongTensor, width: int, value: int) -> torch.LongTensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
+from ..placement import upload
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 
@@ -60,7 +61,8 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
 
     Inside transformers' own batch-1 assisted loop it behaves as transformers' `PromptLookupCandidateGenerator`.
     Its draft tokens are proposed deterministically (`Proposal.probs` is `None`), which the sampling verifier treats
-    as a one-hot `q`.
+    as a one-hot `q`. It matches on the host copy of the rows' tokens (`TokenBatch.host`), so it never reads the
+    device.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_output_tokens: int = 10, **kwargs) -> None:
@@ -86,16 +88,17 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
     def matches(
         self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
     ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-        """`continuations` and their `[batch]` anchors (`lookup_match`; 0 for rows without a match or length 0)."""
+        """`continuations` and their `[batch]` anchors (`lookup_match`; 0 for rows without a match or length 0), all
+        on the host (`lengths` too)."""
         lengths = lengths.clamp(max=self.num_output_tokens)
-        empty = (batch.tokens.new_zeros(0), 0)
+        empty = (torch.zeros(0, dtype=torch.long), 0)
         found = [
-            lookup_match(batch.real_tokens(row), self.max_ngram, self.min_ngram, int(lengths[row]), max_anchor)
+            lookup_match(batch.host_real_tokens(row), self.max_ngram, self.min_ngram, int(lengths[row]), max_anchor)
             if int(lengths[row]) > 0
             else empty
             for row in range(batch.batch_size)
         ]
-        anchors = torch.tensor([anchor for _, anchor in found], dtype=torch.long, device=batch.tokens.device)
+        anchors = torch.tensor([anchor for _, anchor in found], dtype=torch.long)
         return [continuation for continuation, _ in found], anchors
 
     def match_confidence(self) -> torch.Tensor | None:
@@ -104,10 +107,19 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
 
     @staticmethod
     def proposal(batch: TokenBatch, found: list[torch.LongTensor]) -> Proposal:
-        """A placeholder-padded `Proposal` of per-row continuations."""
-        actual = torch.tensor([f.shape[0] for f in found], dtype=torch.long, device=batch.tokens.device)
-        width = int(actual.max()) if found else 0
-        tokens = batch.tokens.new_full((batch.batch_size, width), batch.pad_id)
-        for row, continuation in enumerate(found):
-            tokens[row, : continuation.shape[0]] = continuation
-        return Proposal(tokens, actual, None)
+        """A placeholder-padded `Proposal` of per-row continuations (`found`: on the host), copied to the device
+        without waiting for it."""
+        tokens, actual = padded(found, batch.batch_size, batch.pad_id)
+        device = batch.tokens.device
+        return Proposal(upload(tokens, device), upload(actual, device), None, host_lengths=actual)
+
+
+def padded(found: list[torch.LongTensor], rows: int, pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Per-row continuations (`[found_b]` each) on the host as `[rows, longest]` tokens padded with `pad_id`, and
+    their `[rows]` lengths."""
+    actual = torch.tensor([f.shape[0] for f in found], dtype=torch.long)
+    width = int(actual.max()) if found else 0
+    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
+    for row, continuation in enumerate(found):
+        tokens[row, : continuation.shape[0]] = continuation
+    return tokens, actual

@@ -27,7 +27,7 @@ import torch
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
 from .prompt_lookup import PromptLookupProposer
-from .tree import TokenTree
+from .tree import TokenTree, tree_proposal
 
 if TYPE_CHECKING:
     from ..config import DynSpecConfig
@@ -174,7 +174,7 @@ class SuffixProposer(PromptLookupProposer):
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
         self.release()
-        rows = [batch.real_tokens(row) for row in range(batch.batch_size)]
+        rows = [batch.host_real_tokens(row) for row in range(batch.batch_size)]
         self._requests = [self.cache.start(tokens.tolist()) for tokens in rows]
         self._written = [int(tokens.shape[0]) for tokens in rows]
 
@@ -195,16 +195,16 @@ class SuffixProposer(PromptLookupProposer):
     def _write(self, batch: TokenBatch, rows: Sequence[int]) -> None:
         """Hand the cache each row's tokens it has not seen yet."""
         for row in rows:
-            tokens = batch.real_tokens(row)
+            tokens = batch.host_real_tokens(row)
             if tokens.shape[0] > self._written[row]:
                 self.cache.extend(self._requests[row], tokens[self._written[row] :].tolist())
                 self._written[row] = int(tokens.shape[0])
 
     # ---- proposals ---------------------------------------------------------------------------------------------------
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
-        full = torch.full((batch.batch_size,), max_length, dtype=torch.long, device=batch.tokens.device)
+        full = torch.full((batch.batch_size,), max_length, dtype=torch.long)
         self._offer = self.matches(batch, full)
-        return torch.tensor([f.shape[0] for f in self._offer[0]], dtype=torch.long, device=batch.tokens.device)
+        return torch.tensor([f.shape[0] for f in self._offer[0]], dtype=torch.long)  # on the host
 
     def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
         if self._offer is None or self._offer[1].shape[0] != batch.batch_size:
@@ -220,18 +220,19 @@ class SuffixProposer(PromptLookupProposer):
     def matches(
         self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
     ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-        """Each row's suffix-tree chain (`[found]`, up to `lengths[b]` tokens) and its `[batch]` match lengths."""
+        """Each row's suffix-tree chain (`[found]`, up to `lengths[b]` tokens) and its `[batch]` match lengths, on the
+        host."""
         self._write(batch, range(batch.batch_size))
         lengths = lengths.clamp(max=self.num_output_tokens)
         found, anchors, confidence = [], [], []
         for row in range(batch.batch_size):
             draft = self._speculate(batch, row, int(lengths[row]), tree=False)
-            found.append(torch.tensor(draft.token_ids if draft else [], dtype=torch.long, device=batch.tokens.device))
+            found.append(torch.tensor(draft.token_ids if draft else [], dtype=torch.long))
             anchor = draft.match_len if draft else 0
             anchors.append(min(anchor, max_anchor) if max_anchor else anchor)
             confidence.append(chain_confidence(draft.probs) if draft else 1.0)
         self._confidence = torch.tensor(confidence, dtype=torch.float64)
-        return found, torch.tensor(anchors, dtype=torch.long, device=batch.tokens.device)
+        return found, torch.tensor(anchors, dtype=torch.long)
 
     def propose(
         self,
@@ -253,20 +254,18 @@ class SuffixProposer(PromptLookupProposer):
         """Each row's suffix tree of at most `budgets[b]` nodes, cut at depth `depths[b]`."""
         self._write(batch, range(batch.batch_size))
         tokens, parents = [], []
-        roots = batch.last_tokens().tolist()  # [batch] each row's newest token, its tree's root
+        roots = batch.host_last_tokens().tolist()  # [batch] each row's newest token, its tree's root
         for row in range(batch.batch_size):
             draft = self._speculate(batch, row, int(budgets[row]), tree=True) if int(depths[row]) > 0 else None
             row_tokens, row_parents = cut_tree(draft.token_ids, draft.parents, int(depths[row])) if draft else ([], [])
             tokens.append([roots[row]] + row_tokens)
             parents.append([-1] + [parent + 1 for parent in row_parents])  # node 0 is the root
-        tree = TokenTree.from_parent_lists(tokens, parents, batch.pad_id)
-        device = batch.tokens.device
-        return Proposal(tree.tokens[:, 1:].to(device), tree.num_draft.to(device), None, tree.parents[:, 1:].to(device))
+        return tree_proposal(TokenTree.from_parent_lists(tokens, parents, batch.pad_id), batch.tokens.device)
 
     def _speculate(self, batch: TokenBatch, row: int, max_tokens: int, tree: bool):
         if max_tokens <= 0:
             return None
-        context = batch.real_tokens(row)[-self.cache.settings.max_depth :].tolist()
+        context = batch.host_real_tokens(row)[-self.cache.settings.max_depth :].tolist()
         return self.cache.speculate(self._requests[row], context, max_tokens, tree)
 
 

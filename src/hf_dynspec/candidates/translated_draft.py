@@ -4,12 +4,12 @@ continuation re-encoded for the target (transformers' universal assisted decodin
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers
 
+from ..placement import Instant, cuda_devices, elapsed
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import MAX_INLINE_TAIL
@@ -57,16 +57,18 @@ class TranslatedDraftProposer(BatchedProposer):
         self.generation_config = config
         self.rows: list[AssistedCandidateGeneratorDifferentTokenizers] = []
         self.num_seen = torch.zeros(0, dtype=torch.long)  # [batch] each row's tokens its draft has processed
-        self._catchup_started: float | None = None
+        self._catchup_started: Instant | None = None
+        self._devices = cuda_devices(draft_model)  # the catch-up clock waits for these
 
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
         self.rows = [self._generator(batch.real_tokens(row)) for row in range(batch.batch_size)]
-        self.num_seen = torch.zeros_like(batch.num_real)
+        self.num_seen = torch.zeros_like(batch.host_num_real)  # [batch] on the host
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
-        """`[batch]` each row's tokens not yet in its draft's cache (the prompt, before the row first drafts)."""
-        return batch.num_real - self.num_seen
+        """`[batch]` each row's tokens not yet in its draft's cache (the prompt, before the row first drafts), on the
+        host."""
+        return batch.host_num_real - self.num_seen
 
     def propose(
         self,
@@ -91,13 +93,13 @@ class TranslatedDraftProposer(BatchedProposer):
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         """A row that drafted has its tokens before the step (`batch` is not yet updated) and its accepted draft tokens
         in its draft's cache: only the target's token of this step is new to it."""
-        drafted = proposal.lengths.to(self.num_seen.device) > 0
-        accepted = kept[:, 1:].sum(dim=1).to(self.num_seen.device)  # [batch] kept nodes after the root
-        self.num_seen = torch.where(drafted, batch.num_real + accepted, self.num_seen)
+        drafted = proposal.lengths_on_host() > 0
+        accepted = kept[:, 1:].to("cpu", copy=True).sum(dim=1)  # [batch] kept nodes after the root
+        self.num_seen = torch.where(drafted, batch.host_num_real + accepted, self.num_seen)
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.rows = [self.rows[int(row)] for row in keep.tolist()]
-        self.num_seen = self.num_seen[keep.to(self.num_seen.device)]
+        self.num_seen = self.num_seen[keep.to("cpu", copy=True)]
 
     def release(self) -> None:
         self.rows = []
@@ -118,11 +120,11 @@ class TranslatedDraftProposer(BatchedProposer):
         """`[found]` up to `length` target tokens that continue the row, as the draft sees it."""
         tokens = batch.real_tokens(row)  # [num_real]
         if length <= 0:
-            return tokens[:0]
+            return torch.zeros(0, dtype=torch.long)
         generator = self.rows[row]
         generator.num_assistant_tokens = length
         candidates, _ = generator.get_candidates(tokens.unsqueeze(0))  # [1, num_real + new]
-        found = candidates[0, tokens.shape[0] : tokens.shape[0] + length].to(tokens.device)
+        found = candidates[0, tokens.shape[0] : tokens.shape[0] + length].to("cpu", copy=True)  # on the host
         inside = found < self.vocab_size  # a token the target's tokenizer has but its model does not score
         return found[: int(inside.long().cumprod(0).sum())]
 
@@ -134,9 +136,9 @@ class TranslatedDraftProposer(BatchedProposer):
         width = int(ids.shape[-1]) if ids is not None else 1
         if width > MAX_INLINE_TAIL:
             self.catchup_tokens += width
-            self._catchup_started = time.perf_counter()
+            self._catchup_started = Instant.now(self._devices)
 
     def _after_forward(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._catchup_started is not None:
-            self.catchup_seconds += time.perf_counter() - self._catchup_started
+            self.catchup_seconds += float(elapsed(self._catchup_started))  # waits for the draft's devices
             self._catchup_started = None

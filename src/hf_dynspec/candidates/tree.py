@@ -14,29 +14,49 @@ order is the order in which they were proposed. Rows with fewer nodes than the w
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
 from ..cache import SlidingWindows
+
+CHECK_ENV = "HF_DYNSPEC_CHECK_TREES"
+"""Set to `1` to check the structure of every tree the loop builds from its proposers' proposals (the test suite does).
+The checks read the tree on the host, a device synchronisation each, so the loop skips them otherwise."""
+
+
+def checks_loop_trees() -> bool:
+    """Whether the loop checks the trees of its proposals (`CHECK_ENV`)."""
+    return os.environ.get(CHECK_ENV, "0") == "1"
 
 
 @dataclass
 class TokenTree:
     """Per-row trees of candidate tokens, padded to a common node count.
 
-    Use `from_chain` or `from_parent_lists`, or `from_parents` on tensors; the constructor checks the structure.
+    Use `from_chain` or `from_parent_lists`, or `from_parents` on tensors; the constructor checks the structure
+    (unless `check=False`: the checks read the tree on the host).
     """
 
     tokens: torch.LongTensor  # [batch, nodes] node 0 = root (newest committed token); placeholders at padded slots
     parents: torch.LongTensor  # [batch, nodes] parent node index, -1 for the root and for placeholder slots
     depths: torch.LongTensor  # [batch, nodes] 0 for the root (and placeholder slots), parent's depth + 1 otherwise
     valid: torch.BoolTensor  # [batch, nodes] False on placeholder slots
+    depth_bound: int | None = field(default=None, compare=False)
+    """At least `max_depth`, known without reading `depths` (the trees of the loop's proposals: their draft slots);
+    walks along paths use it (`depth_limit`). `None`: `max_depth`."""
+    children_bound: int | None = field(default=None, compare=False)
+    """At least the most children of any node, known without reading the tree (a chain: 1); `children` is that wide.
+    `None`: read from the tree."""
+    check: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check: bool) -> None:
         _check_shapes(self.tokens, self.parents, self.depths, self.valid)
-        _check_structure(self.tokens, self.parents, self.depths, self.valid)
+        if check:
+            _check_structure(self.tokens, self.parents, self.depths, self.valid)
 
     # ---- constructors ----------------------------------------------------------------------------------------------
     @classmethod
@@ -45,13 +65,17 @@ class TokenTree:
         tokens: torch.LongTensor,  # [batch, nodes]
         parents: torch.LongTensor,  # [batch, nodes]
         valid: torch.BoolTensor | None = None,  # [batch, nodes]; None = every slot is a node
+        check: bool = True,
     ) -> TokenTree:
-        """A tree from parent indices (node 0 is the root, parent -1); depths are derived."""
+        """A tree from parent indices (node 0 is the root, parent -1); depths are derived. `check=False` skips the
+        structure checks (and gives the tree its draft slots as `depth_bound`): for trees known to be well formed."""
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
         _check_shapes(tokens, parents, parents, valid)
-        _check_order(parents, valid)
+        if check:
+            _check_order(parents, valid)
         parents = torch.where(valid, parents, -1)
-        return cls(tokens, parents, _depths_from_parents(parents), valid)
+        bound = None if check else tokens.shape[1] - 1
+        return cls(tokens, parents, _depths_from_parents(parents), valid, bound, check=check)
 
     @classmethod
     def from_parent_lists(
@@ -78,10 +102,14 @@ class TokenTree:
         tokens: torch.LongTensor,  # [batch, k] draft tokens, placeholder-padded
         lengths: torch.LongTensor,  # [batch] draft length per row
         root: torch.LongTensor | None = None,  # [batch] newest committed token; None = placeholder 0
+        check: bool = True,
     ) -> TokenTree:
-        """The chain `root -> tokens[b, 0] -> ... -> tokens[b, lengths[b] - 1]` as a tree of `k + 1` nodes."""
+        """The chain `root -> tokens[b, 0] -> ... -> tokens[b, lengths[b] - 1]` as a tree of `k + 1` nodes, with `k` as
+        its `depth_bound`. `check=False` skips the checks of `lengths` (which read them on the host)."""
         batch, width = tokens.shape
-        if lengths.shape != (batch,) or bool((lengths < 0).any()) or bool((lengths > width).any()):
+        if lengths.shape != (batch,):
+            raise ValueError(f"`lengths` must hold {batch} values in [0, {width}]; got shape {tuple(lengths.shape)}.")
+        if check and (bool((lengths < 0).any()) or bool((lengths > width).any())):
             raise ValueError(f"`lengths` must hold {batch} values in [0, {width}]; got {lengths.tolist()}.")
         root = tokens.new_zeros(batch) if root is None else root.to(tokens.device)
         nodes = torch.arange(width + 1, device=tokens.device)
@@ -89,7 +117,7 @@ class TokenTree:
         parents = torch.where(valid, (nodes - 1).unsqueeze(0), -1)
         depths = torch.where(valid, nodes.unsqueeze(0), 0)
         all_tokens = torch.cat([root.unsqueeze(1), tokens], dim=1)  # [batch, k + 1]
-        return cls(all_tokens, parents, depths, valid)
+        return cls(all_tokens, parents, depths, valid, width, min(width, 1), check=check)
 
     # ---- sizes -----------------------------------------------------------------------------------------------------
     @property
@@ -107,13 +135,18 @@ class TokenTree:
         return int(self.depths.max()) if self.depths.numel() else 0
 
     @property
+    def depth_limit(self) -> int:
+        """`depth_bound` when known, else `max_depth`: how deep walks along paths go (`paths`)."""
+        return self.max_depth if self.depth_bound is None else self.depth_bound
+
+    @property
     def num_draft(self) -> torch.LongTensor:
         """`[batch]` draft nodes per row (valid nodes other than the root)."""
         return self.valid.sum(dim=1) - 1
 
     # ---- structure -------------------------------------------------------------------------------------------------
     def paths(self) -> torch.LongTensor:
-        """`[batch, nodes, max_depth + 1]`: entry `[b, j, d]` is the ancestor of node `j` at depth `d`.
+        """`[batch, nodes, depth_limit + 1]`: entry `[b, j, d]` is the ancestor of node `j` at depth `d`.
 
         Column 0 is the root (node 0), column `depths[b, j]` is `j` itself, deeper columns are -1. Placeholder slots
         hold only themselves in column 0.
@@ -121,8 +154,9 @@ class TokenTree:
         batch, nodes = self.tokens.shape
         current = torch.arange(nodes, device=self.tokens.device).expand(batch, nodes)  # [batch, nodes]
         level = self.depths.clone()
-        paths = torch.full((batch, nodes, self.max_depth + 1), -1, dtype=torch.long, device=self.tokens.device)
-        for _ in range(self.max_depth + 1):
+        depth = self.depth_limit
+        paths = torch.full((batch, nodes, depth + 1), -1, dtype=torch.long, device=self.tokens.device)
+        for _ in range(depth + 1):
             on_path = level >= 0
             paths.scatter_(2, level.clamp(min=0).unsqueeze(2), torch.where(on_path, current, paths[..., 0]).unsqueeze(2))
             current = torch.where(on_path, self._parent_of(current), current)
@@ -138,13 +172,17 @@ class TokenTree:
         return mask[..., :nodes]
 
     def children(self) -> torch.LongTensor:
-        """`[batch, nodes, max_children]` each node's children in node order, padded with -1."""
+        """`[batch, nodes, max_children]` each node's children in node order, padded with -1 (`children_bound` wide
+        when known)."""
         batch, nodes = self.tokens.shape
         is_child = self.valid & (self.parents >= 0)  # [batch, nodes]
         earlier = torch.ones((nodes, nodes), dtype=torch.bool, device=self.tokens.device).tril(-1)
         siblings = (self.parents.unsqueeze(2) == self.parents.unsqueeze(1)) & is_child.unsqueeze(1) & earlier
         rank = siblings.sum(dim=2)  # [batch, nodes] number of earlier siblings
-        width = int(rank[is_child].max()) + 1 if bool(is_child.any()) else 0
+        if self.children_bound is not None:
+            width = self.children_bound
+        else:
+            width = int(rank[is_child].max()) + 1 if bool(is_child.any()) else 0
         children = torch.full((batch, nodes + 1, max(width, 1)), -1, dtype=torch.long, device=self.tokens.device)
         slot = torch.where(is_child, self.parents, nodes)  # non-children write into an extra row, dropped below
         index = slot * children.shape[2] + torch.where(is_child, rank, 0)
@@ -181,6 +219,17 @@ class TokenTree:
     def _parent_of(self, nodes: torch.LongTensor) -> torch.LongTensor:
         """`[batch, n]` parent of each given node index (-1 stays -1)."""
         return torch.where(nodes >= 0, self.parents.gather(1, nodes.clamp(min=0)), -1)
+
+
+def tree_proposal(tree: TokenTree, device: torch.device):
+    """The draft nodes of `tree` (built on the host, e.g. by `TokenTree.from_parent_lists`) as a tree `Proposal` on
+    `device`, copied without waiting for it."""
+    from ..placement import upload  # placement imports this module
+    from .base import Proposal  # base imports this module
+
+    host_lengths = tree.num_draft
+    tokens, lengths, parents = (upload(t, device) for t in (tree.tokens[:, 1:], host_lengths, tree.parents[:, 1:]))
+    return Proposal(tokens, lengths, None, parents, host_lengths=host_lengths)
 
 
 def block_attention_mask(
@@ -322,10 +371,13 @@ def _check_structure(
 
 
 def _depths_from_parents(parents: torch.LongTensor) -> torch.LongTensor:
-    """`[batch, nodes]` depths of a topologically ordered tree (-1 parents have depth 0)."""
-    depths = torch.zeros_like(parents)
-    while True:
-        updated = torch.where(parents >= 0, depths.gather(1, parents.clamp(min=0)) + 1, 0)
-        if torch.equal(updated, depths):
-            return depths
-        depths = updated
+    """`[batch, nodes]` depths of a tree (-1 parents have depth 0), by pointer jumping: after round `i` each node knows
+    its ancestor `2 ** i` levels up and how far that is, so `ceil(log2(nodes))` rounds reach every root, with no
+    read of the tree on the host."""
+    jump = parents.clone()  # [batch, nodes] an ancestor of each node, -1 once past its root
+    depths = (parents >= 0).long()  # [batch, nodes] levels from each node up to `jump` (to its root once -1)
+    for _ in range(math.ceil(math.log2(max(parents.shape[-1], 2)))):
+        up = jump.clamp(min=0)
+        depths = depths + torch.where(jump >= 0, depths.gather(1, up), 0)
+        jump = torch.where(jump >= 0, jump.gather(1, up), -1)
+    return depths

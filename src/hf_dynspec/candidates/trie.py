@@ -21,7 +21,7 @@ import torch
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
 from .prompt_lookup import PromptLookupProposer
-from .tree import TokenTree
+from .tree import TokenTree, tree_proposal
 
 
 @dataclass
@@ -134,11 +134,10 @@ class LookupTreeProposer(PromptLookupProposer):
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
         lengths = lengths.clamp(max=self.num_output_tokens)
-        budgets = lengths if node_budgets is None else node_budgets.to(lengths.device)  # depth 0: root only
+        budgets = lengths if node_budgets is None else node_budgets.to("cpu", copy=True)  # depth 0: root only; on the host
         tries = [
-            lookup_trie(batch.real_tokens(row), self.max_ngram, self.min_ngram, int(budgets[row]), int(lengths[row]))
+            lookup_trie(batch.host_real_tokens(row), self.max_ngram, self.min_ngram, int(budgets[row]), int(lengths[row]))
             for row in range(batch.batch_size)
         ]
         tree = TokenTree.from_parent_lists([t for t, _ in tries], [p for _, p in tries], batch.pad_id)
-        device = batch.tokens.device
-        return Proposal(tree.tokens[:, 1:].to(device), tree.num_draft.to(device), None, tree.parents[:, 1:].to(device))
+        return tree_proposal(tree, batch.tokens.device)

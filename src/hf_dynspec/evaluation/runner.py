@@ -27,6 +27,13 @@ TIME_FIELDS = ("prefill_seconds", "draft_seconds", "catchup_seconds", "verify_se
 """Where a speculative run's time goes (the loop's own totals, summed over its `generate` calls)."""
 
 
+def finished_clock(tensor: torch.Tensor) -> float:
+    """`time.perf_counter()` once the device of `tensor` has done its queued work (on CUDA the host runs ahead)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
+
+
 class RowBudgets(StoppingCriteria):
     """Stops each row after its own number of new tokens, like requests with different `max_tokens` in a server.
 
@@ -343,7 +350,7 @@ class Runner:
         models = ((self.target, self._draft(method)) if method.uses_draft else (self.target,)) if method.row_major else ()
         with torch.inference_mode(), narrow_linear(self._linear_plan if method.narrow else 0), row_major_output(*models):
             output = self._call(method, kwargs)
-        end = time.perf_counter()
+        end = finished_clock(output.sequences)
         outcome.seconds += end - start
         outcome.cpu_seconds += time.process_time() - cpu_start
         tokens = trim(output.sequences[:, input_ids.shape[1] :], self.eos_ids, budgets)
