@@ -87,7 +87,9 @@ def test_rollouts_page_blocks_run(namespace: dict) -> None:
     ran = run_page("rollouts.md", namespace)
     assert ran == 5
     assert namespace["rollouts"].shape[0] == 4  # the suffix block's second epoch
-    assert namespace["reused"] > 0 and namespace["second"].sequences.equal(namespace["first"].sequences)
+    # the second epoch found the first's samples (whether proposing them pays is the policy's call, by timings)
+    assert namespace["second"].dynspec_stats.rollout_rows == 4 and namespace["reused"] >= 0
+    assert namespace["second"].sequences.equal(namespace["first"].sequences)  # nothing moved: the same samples
     assert namespace["trainer"].state.global_step == 2
     assert type(namespace["trainer"].model).__name__ == "PeftModelForCausalLM"
     assert len(namespace["completions"]) == 2
