@@ -58,7 +58,8 @@ def train(out_dir: Path, lora: bool, continuous: bool = False, reuse: bool = Fal
     out_dir.mkdir(parents=True, exist_ok=True)
     target = tiny_model("llama", seed=0, dtype=torch.float32)
     if reuse:
-        hf_dynspec.enable(target, dynspec_config=DynSpecConfig(sampling="coupled", reuse_rollouts=True))
+        config = DynSpecConfig(sampling="coupled", reuse_rollouts=True, policy="static")  # timings decide nothing
+        hf_dynspec.enable(target, dynspec_config=config)
     elif continuous:
         config = DynSpecConfig(policy="static", num_speculative_tokens=3, proposer="suffix",
                                suffix_min_token_probability=0.0)

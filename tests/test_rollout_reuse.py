@@ -18,7 +18,9 @@ def _call(model, ids, mask, config: dict | None = None, **kwargs):
     settings = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=NEW,
                     return_dict_in_generate=True)
     settings.update(kwargs)
-    config = DynSpecConfig(**{"sampling": "coupled", "seed": 5, "reuse_rollouts": True, **(config or {})})
+    # a static policy: the tests are about what reuse proposes and emits, not whether the timings say it pays
+    config = DynSpecConfig(**{"sampling": "coupled", "seed": 5, "reuse_rollouts": True, "policy": "static",
+                              **(config or {})})
     return hf_dynspec.generate(model, input_ids=ids, attention_mask=mask, dynspec_config=config, **settings)
 
 
@@ -47,7 +49,8 @@ def test_a_second_epoch_reuses_the_first_exactly(target, group):
     assert torch.equal(second.sequences, first.sequences)
     assert first.dynspec_stats.rollout_rows == 0 and first.dynspec_stats.reused_tokens == 0
     assert second.dynspec_stats.rollout_rows == 6
-    assert second.dynspec_stats.reused_tokens > 0.8 * (second.dynspec_stats.emitted_tokens - 6)
+    # 4 draft tokens a step (static:4), all taken, and the target's own: 4 of every 5 tokens after the first
+    assert second.dynspec_stats.reused_tokens > 0.7 * (second.dynspec_stats.emitted_tokens - 6)
     assert second.dynspec_stats.target_forwards < first.dynspec_stats.target_forwards / 3
 
 
@@ -106,7 +109,8 @@ def test_clear_rollouts_empties_the_cache(target, group):
 
 
 def test_an_enabled_model_reuses_across_calls_without_naming_a_proposer(target, group):
-    hf_dynspec.enable(target, dynspec_config=DynSpecConfig(sampling="coupled", seed=5, reuse_rollouts=True))
+    bound = DynSpecConfig(sampling="coupled", seed=5, reuse_rollouts=True, policy="static")
+    hf_dynspec.enable(target, dynspec_config=bound)
     try:
         runs = [target.generate(input_ids=group[0], attention_mask=group[1], do_sample=True, max_new_tokens=NEW,
                                 top_k=None, return_dict_in_generate=True) for _ in range(2)]
