@@ -32,6 +32,7 @@ import statistics
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,8 @@ class EpochSettings:
             raise ValueError(f"`updates` must be positive step counts, got {self.updates}.")
         if not self.learning_rate > 0:
             raise ValueError(f"`learning_rate` must be positive, got {self.learning_rate}.")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise ValueError(f"No calibration profile at {self.profile!r}: create it with `hf-dynspec calibrate`.")
         self.updates = sorted(set(self.updates))
 
 
