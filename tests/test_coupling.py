@@ -17,9 +17,11 @@ from transformers import (
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.coupling import (
+    GUMBEL_MAX,
     coupled_choice,
     gumbel_noise,
     mix32,
+    perturb,
     prompt_digest,
     sample_indices,
     stream_keys,
@@ -71,6 +73,27 @@ def test_coupled_choice_samples_softmax():
     expected = scores.double().softmax(-1).numpy() * n
     assert counts[3] == 0
     assert stats.chisquare(counts[[0, 1, 2, 4]], expected[[0, 1, 2, 4]]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("spread", [0.1, 3.0, 30.0])
+def test_the_perturbed_argmax_hashes_candidates_only_and_matches_the_dense_one(spread):
+    """`coupled_choice` hashes only tokens that can still win; its choice is the dense `argmax(scores + noise)`
+    whatever the spread of the scores (flat ones make most tokens candidates), with `-inf` (top-k) scores and over
+    more items than one block."""
+    generator = torch.Generator().manual_seed(int(spread * 10))
+    scores = torch.randn((3, 7, 4000), generator=generator) * spread  # [3, 7] items of 4000 ids
+    scores[0, :, 100:] = float("-inf")  # top-k: only 100 ids allowed
+    streams = torch.arange(21).view(3, 7) * 101
+    positions = torch.arange(7).expand(3, -1) + 5
+    dense = scores + gumbel_noise(streams.reshape(-1), positions.reshape(-1), 4000).view(3, 7, 4000)
+    assert torch.equal(coupled_choice(scores, streams, positions), dense.argmax(dim=-1))
+    assert torch.equal(perturb(scores, streams, positions).argmax(dim=-1), dense.argmax(dim=-1))
+    assert int(coupled_choice(scores, streams, positions)[0].max()) < 100
+
+
+def test_the_noise_never_reaches_its_bound():
+    noise = gumbel_noise(torch.arange(64), torch.arange(64), 1 << 16)  # 4 million draws
+    assert float(noise.max()) < GUMBEL_MAX and bool(torch.isfinite(noise).all())
 
 
 # ---- streams -------------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ from .candidates.suffix import SuffixCache, SuffixSettings, chain_confidence, cu
 from .candidates.tree import TokenTree
 from .candidates.trie import lookup_trie
 from .config import DynSpecConfig
-from .coupling import StreamBook, perturb
+from .coupling import StreamBook, coupled_choice, perturb
 from .loop import _parameter_ratio, _policy_for
 from .placement import Instant, Seconds, cuda_devices, elapsed
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
@@ -1003,7 +1003,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         of `futures`): their perturbed argmax, written where transformers' update reads sampled tokens (and their
         log-probabilities, as its sampler writes them)."""
         positions = torch.tensor([future.state.generated_len() for future in futures])  # [requests]
-        tokens = perturb(scores, self._streams_of(futures), positions).argmax(dim=-1)  # [requests]
+        tokens = coupled_choice(scores, self._streams_of(futures), positions)  # [requests]
         output_ids = self.inputs_and_outputs.output_ids
         output_ids[0, : tokens.shape[0]].copy_(tokens)
         if self.return_logprobs:

@@ -20,9 +20,10 @@ samples is a deterministic function of its stream and of the model's distributio
   sampled before, which the rollout cache (`candidates.rollout`) proposes back.
 
 The hash: `mix32` is a 32-bit integer finaliser (two multiply-xorshift rounds with odd constants below 2^31, so every
-product fits in a signed 64-bit integer and the arithmetic is exact on every device). A token id goes through a fixed
-table `mix32(id * GOLDEN)`, then two rounds keyed by the two 32-bit halves of the token's key, which `token_keys`
-derives from (stream, position); the top 24 bits give a uniform in (0, 1), and `-log(-log(u))` the Gumbel variable.
+product fits in a signed 64-bit integer and the arithmetic is exact on every device). A token id times an odd
+constant goes through two rounds keyed by the two 32-bit halves of the token's key, which `token_keys` derives from
+(stream, position); its top 23 bits and a half give a uniform in (0, 1) (exactly representable in
+float32, so never 1), and `-log(-log(u))` the Gumbel variable, which is below `GUMBEL_MAX`.
 Distinct (stream, position) pairs get independent noise up to 64-bit key collisions.
 """
 
@@ -33,6 +34,7 @@ import struct
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,7 @@ SAMPLERS = ("standard", "coupled")
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 _ROUNDS = (0x21F0AAAD, 0x735A2D97)
-_UNIFORM_BITS = 24
+_UNIFORM_BITS = 23
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -65,24 +67,29 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-_ID_TABLES: dict[tuple[int, str], torch.Tensor] = {}
-"""`mix32(id * GOLDEN)` for ids `0 .. vocab - 1`, per (vocabulary size, device)."""
-
-
-def _id_table(vocab: int, device: torch.device) -> torch.Tensor:
-    key = (vocab, str(device))
-    if key not in _ID_TABLES:
-        ids = torch.arange(vocab, dtype=torch.long, device=device)
-        _ID_TABLES[key] = mix32((ids * _GOLDEN) & _MASK)
-    return _ID_TABLES[key]
-
-
 def token_keys(streams: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two 32-bit halves of each token's key (`[items]` each, int64) from its stream and position (`[items]`)."""
     low, high = streams & _MASK, (streams >> 32) & _MASK
     at = mix32((positions & _MASK) ^ _GOLDEN)
     first = mix32(low ^ at)
     return first, mix32(high ^ mix32(first ^ _ROUNDS[0]))
+
+
+def _noise_at(first: torch.Tensor, second: torch.Tensor, ids: torch.LongTensor) -> torch.Tensor:
+    """Float32 Gumbel noise of token `ids` under keys `first`, `second` (all broadcast to one shape)."""
+    x = ((ids * _GOLDEN) & _MASK) ^ first
+    _mix32_(x)
+    x ^= second
+    _mix32_(x)
+    uniform = (x >> (32 - _UNIFORM_BITS)).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # in (0, 1)
+    return uniform.log_().neg_().log_().neg_()
+
+
+GUMBEL_MAX = 16.7
+"""Above every value the noise takes: `-log(-log(1 - 2^-24))` = 24 ln 2 = 16.64 for the largest uniform (23 bits, and
+a half, so that it is below 1 in float32)."""
+ITEMS_AT_ONCE = 8
+"""Items whose candidates are hashed together: their scores and noise stay in the CPU's caches."""
 
 
 def gumbel_noise(
@@ -94,12 +101,8 @@ def gumbel_noise(
     """`[items, vocab]` float32 Gumbel noise of each item's (stream, position) over token ids `0 .. vocab - 1`."""
     device = device or streams.device
     first, second = token_keys(streams.to(device).long(), positions.to(device).long())
-    x = _id_table(vocab, device).unsqueeze(0) ^ first.unsqueeze(1)  # [items, vocab]
-    _mix32_(x)
-    x ^= second.unsqueeze(1)
-    _mix32_(x)
-    uniform = (x >> (32 - _UNIFORM_BITS)).float().add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # in (0, 1)
-    return uniform.log_().neg_().log_().neg_()
+    ids = torch.arange(vocab, device=device).unsqueeze(0)  # [1, vocab]
+    return _noise_at(first.unsqueeze(1), second.unsqueeze(1), ids)
 
 
 def coupled_choice(
@@ -107,8 +110,18 @@ def coupled_choice(
     streams: torch.LongTensor,  # [...]
     positions: torch.LongTensor,  # [...]
 ) -> torch.LongTensor:
-    """`[...]` the perturbed argmax: exactly a sample of `softmax(scores)` at each item, fixed by its stream and key."""
-    return perturb(scores, streams, positions).argmax(dim=-1)
+    """`[...]` the perturbed argmax `argmax(scores + noise)` (ties to the lowest id): exactly a sample of
+    `softmax(scores)` at each item, fixed by its stream and key."""
+    shape = scores.shape[:-1]
+    out = torch.empty(shape.numel(), dtype=torch.long, device=scores.device)
+    for part in _candidates(scores, streams, positions):
+        best = part.values.new_full((part.count,), float("-inf")).scatter_reduce(0, part.items, part.values, "amax")
+        winners = part.values == best[part.items]
+        first_id = part.ids.new_full((part.count,), scores.shape[-1])
+        out[part.start : part.start + part.count] = first_id.scatter_reduce(
+            0, part.items[winners], part.ids[winners], "amin"
+        )
+    return out.view(shape)
 
 
 def perturb(
@@ -116,11 +129,44 @@ def perturb(
     streams: torch.LongTensor,  # [...]
     positions: torch.LongTensor,  # [...]
 ) -> torch.Tensor:
-    """`[..., vocab]` float32 scores plus the Gumbel noise of each item (`-inf` stays `-inf`)."""
-    shape = scores.shape
-    flat = scores.reshape(-1, shape[-1]).float()
-    noise = gumbel_noise(streams.reshape(-1), positions.reshape(-1), shape[-1], flat.device)
-    return noise.add_(flat).reshape(shape)
+    """`[..., vocab]` float32: each item's scores plus its Gumbel noise wherever a token can still be the perturbed
+    argmax, `-inf` elsewhere (its `argmax` is `coupled_choice`; the best few of it rank a draft tree's children)."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    out = torch.full(flat.shape, float("-inf"), device=scores.device)
+    for part in _candidates(scores, streams, positions):
+        out[part.start + part.items, part.ids] = part.values
+    return out.view(scores.shape)
+
+
+@dataclass
+class _Candidates:
+    """The tokens of items `start .. start + count - 1` that can be the perturbed argmax, with their perturbed
+    scores (`[candidates]` each; `items` counts from `start`)."""
+
+    start: int
+    count: int
+    items: torch.LongTensor
+    ids: torch.LongTensor
+    values: torch.Tensor
+
+
+def _candidates(scores: torch.Tensor, streams: torch.LongTensor, positions: torch.LongTensor):
+    """Each block of `ITEMS_AT_ONCE` items' candidates (`_Candidates`).
+
+    Noise is hashed only for the candidates: an item's best-scoring token `t` beats any token `v` with
+    `s(v) + GUMBEL_MAX < s(t) + g(t)`, so only tokens scoring at least `s(t) + g(t) - GUMBEL_MAX` can win. Under a
+    language model's scores that is a few percent of the vocabulary, and the hash, the costly part, runs on it alone.
+    """
+    flat = scores.reshape(-1, scores.shape[-1])  # [items, vocab]
+    keys = token_keys(streams.reshape(-1).to(flat.device).long(), positions.reshape(-1).to(flat.device).long())
+    for start in range(0, flat.shape[0], ITEMS_AT_ONCE):
+        block = flat[start : start + ITEMS_AT_ONCE].float()  # [block, vocab]
+        first, second = (key[start : start + ITEMS_AT_ONCE] for key in keys)
+        top_score, top = block.max(dim=1)  # [block]
+        reach = top_score + _noise_at(first, second, top) - GUMBEL_MAX  # the lowest score that can still win
+        items, ids = (block >= reach.unsqueeze(1)).nonzero(as_tuple=True)  # [candidates] each
+        values = block[items, ids] + _noise_at(first[items], second[items], ids)
+        yield _Candidates(start, block.shape[0], items, ids, values)
 
 
 # ---- streams ---------------------------------------------------------------------------------------------------------

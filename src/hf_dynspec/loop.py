@@ -34,7 +34,7 @@ from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
-from .coupling import perturb, stream_keys
+from .coupling import coupled_choice, stream_keys
 from .distributed import DecisionBroadcast
 from .packing import can_pack
 from .placement import Instant, Placement, upload
@@ -45,7 +45,7 @@ from .sequences import EmittedScores, TokenBatch, widen
 from .stats import DynSpecStats, StepRecord
 from .stopping import LockstepCriteria, answers_row_by_row
 from .validation import validate_inputs
-from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling
+from .verification import TreeVerification, verify_tree_greedy, verify_tree_sampling, verify_tree_tokens
 
 
 @dataclass
@@ -521,9 +521,9 @@ class _Run:
         if self.coupled:
             rows, nodes = tree.valid.nonzero(as_tuple=True)  # [items] each: noise only where a node is real
             positions = batch.num_generated[rows] + tree.depths[rows, nodes]  # [items] response position sampled
-            perturbed = torch.full_like(scores, float("-inf"))
-            perturbed[rows, nodes] = perturb(scores[rows, nodes], self.streams[batch.row_ids[rows]], positions)
-            outcome = verify_tree_greedy(perturbed, tree)
+            chosen = torch.zeros(tree.tokens.shape, dtype=torch.long, device=scores.device)  # [batch, nodes]
+            chosen[rows, nodes] = coupled_choice(scores[rows, nodes], self.streams[batch.row_ids[rows]], positions)
+            outcome = verify_tree_tokens(chosen, tree)
         elif self.do_sample:
             outcome = verify_tree_sampling(scores.softmax(dim=-1), tree, draft_probs)
         else:

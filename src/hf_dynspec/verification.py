@@ -130,7 +130,16 @@ def verify_tree_greedy(
 
     The emitted tokens are exactly those of plain greedy decoding.
     """
-    target_tokens = target_scores.argmax(dim=-1)  # [batch, nodes]
+    return verify_tree_tokens(target_scores.argmax(dim=-1), tree)
+
+
+def verify_tree_tokens(
+    target_tokens: torch.LongTensor,  # [batch, nodes] the target's token at every node (what follows it)
+    tree: TokenTree,
+) -> TreeVerification:
+    """Accept the longest path of nodes that each equal the target's token at their parent; the next token is the
+    target's at the path's end. Greedy decoding's target token is the argmax; coupled sampling's the perturbed argmax
+    (`coupling.coupled_choice`)."""
     wanted = target_tokens.gather(1, tree.parents.clamp(min=0))  # [batch, nodes] argmax at each node's parent
     matches = tree.valid & ((tree.tokens == wanted) | (tree.parents < 0))  # the root always "matches"
     paths = tree.paths()  # [batch, nodes, max_depth + 1]
