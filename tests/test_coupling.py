@@ -148,7 +148,7 @@ def exact_joint(model, prompt: torch.Tensor, processors: LogitsProcessorList) ->
 def chi_square_pvalue(codes: torch.Tensor, law: torch.Tensor) -> float:
     """Pearson's test of `codes` (`[n]` continuation codes) against `law`; cells expecting fewer than 5 pooled."""
     counts = torch.bincount(codes, minlength=law.shape[0]).double()
-    expected = law * codes.shape[0]
+    expected = law.double() * codes.shape[0]
     small = expected < 5
     observed = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
     expected = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
