@@ -18,16 +18,21 @@ import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.coupling import (
     GUMBEL_MAX,
+    RowKeys,
+    batch_keys,
+    context_keys,
     coupled_choice,
     gumbel_noise,
     mix32,
     perturb,
     prompt_digest,
+    response_keys,
     sample_indices,
     stream_keys,
     stream_of,
     token_keys,
 )
+from hf_dynspec.sequences import TokenBatch
 
 
 # ---- the hash ------------------------------------------------------------------------------------------------------
@@ -123,6 +128,65 @@ def test_padding_does_not_change_a_rows_stream():
     assert torch.equal(runs[0][:, ids.shape[1] :], runs[1][:, wide.shape[1] :])
 
 
+# ---- keys --------------------------------------------------------------------------------------------------------------
+def _random_row(generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """A prompt of 1-6 tokens and a response of 1-40 over a vocabulary of 3: windows repeat often."""
+    prompt = torch.randint(0, 3, (int(torch.randint(1, 7, (1,), generator=generator)),), generator=generator)
+    response = torch.randint(0, 3, (int(torch.randint(1, 41, (1,), generator=generator)),), generator=generator)
+    return prompt.tolist(), response.tolist()
+
+
+def test_context_keys_never_repeat_within_a_row_and_agree_on_host_and_device():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        prompt, response = _random_row(generator)
+        host = response_keys(prompt, response, "context")
+        assert len(set(host)) == len(host)
+        n = len(response)
+        sequence = torch.tensor([prompt + response]).expand(n, -1)
+        sampled = torch.arange(len(prompt), len(prompt) + n)
+        assert context_keys(sequence, torch.full((n,), len(prompt)), sampled).tolist() == host
+        cut = int(torch.randint(0, n + 1, (1,), generator=generator))
+        keys = RowKeys(prompt, "context")
+        keys.extend(response[:cut])
+        assert keys.along(response[cut:])[: n - cut] == host[cut:]
+    assert response_keys([1, 2], [5, 6, 7], "position") == [0, 1, 2]
+
+
+def test_a_context_key_follows_the_last_four_tokens_and_their_count():
+    keys = response_keys([9, 9, 9, 9], [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4, 5], "context")
+    windows = [key & 0xFFFFFFFF for key in keys]
+    assert windows[9] == windows[4] and windows[15] == windows[4]  # after 1 2 3 4, three times
+    assert [keys[i] >> 32 for i in (4, 9, 15)] == [0, 1, 2]
+    assert windows[5] != windows[10]  # after 2 3 4 5 and after 3 4 6 0
+
+
+def test_batch_keys_of_paths_after_left_padded_rows_match_the_host():
+    """The loop's keys (committed tokens of left-padded rows, then a draft path) are those of the whole sequence."""
+    generator = torch.Generator().manual_seed(1)
+    rows = [_random_row(generator) for _ in range(5)]
+    width = max(len(prompt) for prompt, _ in rows)
+    capacity = max(len(response) for _, response in rows)
+    tokens = torch.zeros((5, width + capacity), dtype=torch.long)
+    for row, (prompt, response) in enumerate(rows):
+        tokens[row, width - len(prompt) : width] = torch.tensor(prompt)
+        committed = response[: len(response) // 2]
+        tokens[row, width : width + len(committed)] = torch.tensor(committed, dtype=torch.long)
+    batch = TokenBatch(tokens, width, torch.tensor([len(p) for p, _ in rows]),
+                       torch.tensor([len(r) // 2 for _, r in rows]), pad_id=0)
+    depth = max(len(r) - len(r) // 2 for _, r in rows)
+    path = torch.zeros((5, depth), dtype=torch.long)
+    for row, (_, response) in enumerate(rows):
+        rest = response[len(response) // 2 :]
+        path[row, : len(rest)] = torch.tensor(rest)
+    for drawn in range(depth):
+        along = torch.tensor([min(drawn, len(r) - len(r) // 2 - 1) for _, r in rows])
+        for keying in ("context", "position"):
+            keys = batch_keys(batch, torch.arange(5), path, along, keying)
+            expected = [response_keys(p, r, keying)[len(r) // 2 + int(k)] for (p, r), k in zip(rows, along)]
+            assert keys.tolist() == expected
+
+
 # ---- the law of sampled tokens ---------------------------------------------------------------------------------------
 VOCAB, NEW = 6, 3
 
@@ -179,24 +243,29 @@ def processors_for(settings: dict) -> LogitsProcessorList:
     return out
 
 
-def coupled_codes(target, draft, prompt, settings: dict, n: int, seed: int) -> torch.Tensor:
+def coupled_codes(
+    target, draft, prompt, settings: dict, n: int, seed: int, keying: str = "context"
+) -> torch.Tensor:
     """`[n]` codes of the `NEW` tokens that `n` rows with `prompt` sample (rows are indices 0 .. n - 1: n streams)."""
     ids = prompt.unsqueeze(0).expand(n, -1)
+    config = DynSpecConfig(sampling="coupled", seed=seed, policy="static", num_speculative_tokens=2,
+                           coupling_keys=keying)
     out = hf_dynspec.generate(
         target, input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=NEW,
-        assistant_model=draft, dynspec_config=DynSpecConfig(sampling="coupled", seed=seed, policy="static",
-                                                             num_speculative_tokens=2), **settings,
+        assistant_model=draft, dynspec_config=config, **settings,
     )
     return (out[:, prompt.shape[0] :] * torch.tensor([VOCAB**2, VOCAB, 1])).sum(dim=1)
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", [*SETTINGS, "temperature, position keys"])
 def test_coupled_samples_follow_the_target_joint_law(small_pair, name):
     """Three consecutive tokens sampled through the loop with a draft: Pearson's test does not reject the exact law."""
     target, draft = small_pair
     prompt = torch.tensor([3, 4, 5, 3, 2])
-    law = exact_joint(target, prompt, processors_for(SETTINGS[name]))
-    codes = coupled_codes(target, draft, prompt, SETTINGS[name], n=6000, seed=11)
+    setting, _, keys = name.partition(", ")
+    law = exact_joint(target, prompt, processors_for(SETTINGS[setting]))
+    codes = coupled_codes(target, draft, prompt, SETTINGS[setting], n=6000, seed=11,
+                          keying="position" if keys else "context")
     assert chi_square_pvalue(codes, law) > 1e-3
 
 
@@ -294,6 +363,50 @@ def test_samples_do_not_depend_on_the_batch(pair32, batch, reference):
     wider = _sample(target, torch.cat([other, ids]), torch.cat([other_mask, mask]), {"policy": "static"},
                     assistant_model=draft)
     assert torch.equal(wider[2:, width:], reference[:, width:])
+
+
+def _sampled_one_by_one(model, ids, mask, seed: int, keying: str, max_new_tokens: int = 24) -> list[list[int]]:
+    """Each row's coupled sample, drawn token by token from full forwards of the unpadded row, its keys computed on
+    the host (`response_keys`): the definition the loop's device keys must meet."""
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    streams = stream_keys(prompts, seed)
+    eos = model.generation_config.eos_token_id
+    rows = []
+    with torch.no_grad():
+        for prompt, stream in zip(prompts, streams):
+            response: list[int] = []
+            while len(response) < max_new_tokens and (not response or response[-1] != eos):
+                scores = model(torch.tensor([prompt + response])).logits[0, -1].float()  # [vocab]
+                key = response_keys(prompt, response + [0], keying)[-1]
+                response.append(int(coupled_choice(scores[None], stream[None], torch.tensor([key]))))
+            rows.append(response)
+    return rows
+
+
+@pytest.mark.parametrize("keying", ["context", "position"])
+def test_the_loop_samples_the_tokens_its_keys_define(pair32, batch, keying):
+    """Through a draft tree (whose nodes' keys follow their paths), each row's tokens are those a token-by-token
+    sampler draws with the host's keys."""
+    target, draft = pair32
+    ids, mask = batch
+    out = _sample(target, ids, mask, {"policy": "static", "tree_node_budget": 6, "coupling_keys": keying},
+                  assistant_model=draft)
+    expected = _sampled_one_by_one(target, ids, mask, seed=3, keying=keying)
+    for row, tokens in zip(out[:, ids.shape[1] :].tolist(), expected):
+        assert row[: len(tokens)] == tokens
+
+
+@pytest.mark.parametrize("tree", [0, 6])
+def test_a_draft_equal_to_the_target_has_every_token_accepted(pair32, batch, tree):
+    """The draft draws its perturbed argmax with the target's keys, along its own chain or tree paths."""
+    target, _ = pair32
+    out = _sample(target, *batch, {"policy": "static", "tree_node_budget": tree, "draft_lookahead": 0},
+                  assistant_model=target, return_dict_in_generate=True)
+    stats = out.dynspec_stats
+    row_steps = stats.emitted_tokens - stats.accepted_tokens  # each row's verify emits what it accepted and one more
+    assert stats.accepted_tokens >= 2 * row_steps
+    if not tree:
+        assert stats.accepted_tokens >= 0.95 * stats.draft_tokens
 
 
 def test_a_new_seed_samples_anew(pair32, batch, reference):

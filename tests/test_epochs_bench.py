@@ -20,6 +20,16 @@ def test_oracle_widths_take_every_repeated_token_and_one_more():
     assert oracle_widths(row, row) == [7]  # the whole row in one verify (the last token is the target's own)
 
 
+def test_oracle_widths_by_context_re_join_after_an_inserted_token():
+    prompt = [4, 4, 4, 4]
+    earlier = [1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
+    row = [1, 2, 0, 3, 5, 6, 7, 8, 9, 10, 11, 12]  # a token inserted: by position nothing lines up again
+    assert oracle_widths(earlier, row, prompt=prompt) == [2] + [1] * 9
+    # by context: the windows that hold the inserted 0 never occurred earlier; once the last four tokens are 3 5 6 7
+    # again, the earlier 8 9 10 11 are proposed in one verify, and the target adds 12
+    assert oracle_widths(earlier, row, prompt=prompt, keying="context") == [2, 1, 1, 1, 1, 5]
+
+
 def test_agreement_counts_positions_prefixes_and_rows():
     first = [[1, 2, 3], [4, 5, 6, 7]]
     second = [[1, 2, 3], [4, 9, 6]]

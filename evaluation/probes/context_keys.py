@@ -1,19 +1,20 @@
 """Position keys or context keys for coupled sampling: which lets more of an epoch repeat the one before?
 
-Coupled sampling keys each token's noise by its position in the response (`hf_dynspec.coupling`). A row whose
+Coupled sampling can key each token's noise by its position in the response (`hf_dynspec.coupling`). A row whose
 update changed one token keeps its noise aligned with the earlier sample at every later position, and may re-join
 it after a substitution; an inserted or dropped token shifts every later position, and the row samples with other
-noise from then on. Keying by context instead (the last `n` tokens, and how often they occurred before in the row's
-response, so no key repeats within a row) re-aligns after a shift as soon as `n` tokens agree again, but a
-substitution changes the keys of the next `n` positions.
+noise from then on. Keying by context instead (the last 4 tokens, and how often they occurred before in the row's
+response, so no key repeats within a row; `DynSpecConfig(coupling_keys=...)`) re-aligns after a shift as soon as 4
+tokens agree again, but a substitution changes the keys of the next 4 positions.
 
 This probe samples the rollout scenario (2 ShareGPT prompts x 8 samples, temperature 1) with both keyings through a
 plain token-by-token sampler, takes `--updates` GRPO steps with a LoRA adapter (`evaluation.epochs.train_grpo`),
 samples again with both (and, before any update, with the same weights in batches of half the rows, whose forwards
 round otherwise in low precision), and counts with hindsight the tokens of the second epoch that a rollout cache could propose
 right: by position (the earlier sample's token at the same position) or by context (the token that followed the same
-key in the earlier sample), and the verify forwards the best schedule would then need. Position keys, sampled here,
-give the speculative loop's coupled samples (checked; in low precision up to near ties).
+key in the earlier sample; `evaluation.epochs.oracle_widths`), and the verify forwards the best schedule would then
+need. Both keyings, sampled here with the library's keys, give the speculative loop's coupled samples (checked for
+the configured default; in low precision up to near ties).
 
     python evaluation/probes/context_keys.py --updates 4 --max-new-tokens 256 --out context_keys.json
 """
@@ -22,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import struct
-from collections import Counter
 
 import torch
 from transformers import DynamicCache
 
 from hf_dynspec.config import DynSpecConfig
-from hf_dynspec.coupling import gumbel_noise, stream_keys
+from hf_dynspec.coupling import CONTEXT_TOKENS, RowKeys, gumbel_noise, stream_keys
 from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
 from hf_dynspec.evaluation.epochs import (
     EpochSettings,
@@ -41,17 +39,6 @@ from hf_dynspec.evaluation.epochs import (
     train_grpo,
 )
 from hf_dynspec.evaluation.runner import left_pad, trim
-
-CONTEXT = 4
-"""Tokens of context a context key covers."""
-
-
-def context_key(tokens: list[int], prompt_tail: list[int], seen: Counter) -> int:
-    """The key of the next token of a response `tokens` (after `prompt_tail`): its last `CONTEXT` tokens (the prompt's
-    tail before there are enough) and how often that context already occurred in the response; 31 bits."""
-    window = tuple((prompt_tail + tokens)[-CONTEXT:])
-    material = struct.pack(f"<{len(window)}q", *window) + struct.pack("<q", seen[window])
-    return int.from_bytes(hashlib.blake2b(material, digest_size=4).digest(), "little") >> 1
 
 
 @torch.inference_mode()
@@ -63,23 +50,18 @@ def sample_keyed(model, prompts: list[list[int]], settings: BenchSettings, keyin
     ids, mask = left_pad(prompts, pad)
     streams = stream_keys(prompts, DynSpecConfig().seed)  # [rows]
     rows = [[] for _ in prompts]
-    seen = [Counter() for _ in prompts]
+    keys = [RowKeys(prompt, keying) for prompt in prompts]
     cache, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)
     inputs, done = ids, torch.zeros(len(prompts), dtype=torch.bool)
-    for step in range(settings.max_new_tokens):
+    for _ in range(settings.max_new_tokens):
         logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions[:, -inputs.shape[1]:],
                        past_key_values=cache, use_cache=True).logits[:, -1].float()
         scores = logits / (settings.temperature or 1.0)  # the rollout's top-p 1 and top-k 0 change nothing
-        if keying == "position":
-            keys = torch.full((len(prompts),), step)
-        else:
-            keys = torch.tensor([context_key(row, prompt[-CONTEXT:], count)
-                                 for row, prompt, count in zip(rows, prompts, seen)])
-        tokens = (scores + gumbel_noise(streams, keys, scores.shape[-1])).argmax(-1)
+        next_keys = torch.tensor([row_keys.along()[0] for row_keys in keys])  # [rows]
+        tokens = (scores + gumbel_noise(streams, next_keys, scores.shape[-1])).argmax(-1)
         for i, token in enumerate(tokens.tolist()):
             if not done[i]:
-                if keying == "context":
-                    seen[i][tuple((prompts[i][-CONTEXT:] + rows[i])[-CONTEXT:])] += 1
+                keys[i].extend([token])
                 rows[i].append(token)
                 done[i] = token in eos
         if bool(done.all()):
@@ -90,34 +72,8 @@ def sample_keyed(model, prompts: list[list[int]], settings: BenchSettings, keyin
     return trim(torch.tensor([row + [pad] * (settings.max_new_tokens - len(row)) for row in rows]), eos)
 
 
-def context_widths(earlier: list[int], row: list[int], prompt: list[int]) -> list[int]:
-    """`oracle_widths` for context keys: at each step the cache proposes what followed the row's current key in the
-    earlier sample (where that key occurs there), accepted while the row writes the same."""
-    followers = {}
-    counts: Counter = Counter()
-    for n in range(len(earlier)):
-        window = tuple((prompt[-CONTEXT:] + earlier[:n])[-CONTEXT:])
-        followers[(window, counts[window])] = n
-        counts[window] += 1
-    widths, n, counts = [], 1, Counter()
-    counts[tuple(prompt[-CONTEXT:])] += 1  # the first token's key, written by the prefill
-    while n < len(row):
-        window = tuple((prompt[-CONTEXT:] + row[:n])[-CONTEXT:])
-        start = followers.get((window, counts[window]))
-        run = 0
-        while (start is not None and run < 32 and n + run < len(row) - 1 and start + run < len(earlier)
-               and earlier[start + run] == row[n + run]):
-            run += 1
-        for m in range(n, n + run + 1):
-            counts[tuple((prompt[-CONTEXT:] + row[:m])[-CONTEXT:])] += 1
-        widths.append(run + 1)
-        n += run + 1
-    return widths
-
-
 def summary(prompts, first, second, keying: str) -> dict:
-    widths = [oracle_widths(a, b) if keying == "position" else context_widths(a, b, p)
-              for p, a, b in zip(prompts, first, second)]
+    widths = [oracle_widths(a, b, prompt=p, keying=keying) for p, a, b in zip(prompts, first, second)]
     tokens = sum(len(row) - 1 for row in second)
     return {
         "identical_rows": sum(a == b for a, b in zip(first, second)),
@@ -145,8 +101,8 @@ def main() -> None:
     base = policy.get_base_model()
     first = {keying: sample_keyed(base, prompts, settings, keying) for keying in ("position", "context")}
     loop = sample_coupled(base, prompts, settings)
-    differ = sum(a != b for a, b in zip(loop, first["position"]))
-    print(f"position-keyed samples as the loop's coupled ones: {len(loop) - differ}/{len(loop)} rows (in low precision "
+    differ = sum(a != b for a, b in zip(loop, first[DynSpecConfig().coupling_keys]))
+    print(f"{DynSpecConfig().coupling_keys}-keyed samples as the loop's coupled ones: {len(loop) - differ}/{len(loop)} rows (in low precision "
           "the two forwards round differently, and a near tie of perturbed scores may flip)")
     results = {"rows_as_the_loop": len(loop) - differ, "numerics": {}}
     half = len(prompts) // 2  # the same weights in batches of half the rows: forwards of other shapes round otherwise
@@ -165,7 +121,7 @@ def main() -> None:
     train_grpo(policy, _tokenizer(settings), prompts, dataclasses.replace(settings), epochs, measure, progress=False)
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"settings": vars(args), "context_tokens": CONTEXT, "results": results}, handle, indent=1)
+            json.dump({"settings": vars(args), "context_tokens": CONTEXT_TOKENS, "results": results}, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .coupling import SAMPLERS
+from .coupling import KEYINGS, SAMPLERS
 from .kernels import NARROW_LINEAR
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class DynSpecConfig:
         metadata={"help": "How sampled tokens are drawn (`do_sample=True`): 'standard' from the random generator, with "
                   "speculative rejection sampling; 'coupled' as the argmax of the processed scores plus Gumbel noise "
                   "that a keyed hash computes from `seed`, the row's prompt, its index among the call's rows with that "
-                  "prompt, and the token's position in the response (`hf_dynspec.coupling`). Either way each token is "
+                  "prompt, and the token's key (`coupling_keys`; `hf_dynspec.coupling`). Either way each token is "
                   "exactly a sample of the target's distribution. Coupled samples do not depend on the proposer, the "
                   "draft lengths or the batch, and a prompt sampled again with the same seed after a small update of "
                   "the model repeats most of what it sampled before (see `reuse_rollouts`). Greedy decoding ignores it."},
@@ -173,6 +173,15 @@ class DynSpecConfig:
         default=0,
         metadata={"help": "Coupled sampling: the seed of every row's noise. Calls with the same seed, prompt and index "
                   "sample the same tokens from the same distributions; a new seed removes the coupling."},
+    )
+    coupling_keys: str = field(
+        default="context",
+        metadata={"help": "Coupled sampling: what keys a token's noise besides the row's stream. 'context': the "
+                  "last 4 tokens before it and how often they occurred before in the response (never a key twice in "
+                  "a row), so a row whose later sample inserted or dropped a token re-joins the earlier sample's "
+                  "noise, and what it sampled there, 4 tokens later; 'position': the token's position in the "
+                  "response. Both sample exactly the target's distribution; they differ in what a later sample "
+                  "repeats (docs/rollouts.md)."},
     )
     reuse_rollouts: bool = field(
         default=False,
@@ -240,6 +249,7 @@ class DynSpecConfig:
         self._check_number("suffix_spec_factor", 0.0, float("inf"))
         self._check_int("compact_min_holes", minimum=1)
         self._check_choice("sampling", SAMPLERS)
+        self._check_choice("coupling_keys", KEYINGS)
         self._check_int("seed", minimum=0)
         self._check_int("rollout_cache_samples", minimum=1)
         self._check_int("rollout_cache_tokens", minimum=1)

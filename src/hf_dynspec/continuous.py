@@ -55,7 +55,7 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 
 from .candidates.draft_model import MAX_INLINE_TAIL
 from .candidates.prompt_lookup import MAX_ANCHOR, lookup_match
-from .candidates.rollout import RolloutSettings, rollout_cache_for
+from .candidates.rollout import EarlierResponse, RolloutSettings, rollout_cache_for
 from .candidates.suffix import SuffixCache, SuffixSettings, chain_confidence, cut_tree, suffix_cache_for
 from .candidates.tree import TokenTree
 from .candidates.trie import lookup_trie
@@ -236,30 +236,27 @@ class RolloutRequests(ModelFreeRequests):
         super().__init__()
         self.cache, self.streams = cache, streams
         self.max_free_tokens = max_free_tokens  # offers cost no draft forward: not held to the draft model's cap
-        self._requests: dict[str, tuple[int, int]] = {}  # request id -> its stream and its prompt's length
+        self._requests: dict[str, tuple[int, list[int], EarlierResponse | None]] = {}  # id -> stream, prompt, earlier
 
     def start(self, request_id: str, prompt: list[int]) -> None:
-        self._requests[request_id] = (self.streams.assign(request_id, prompt), len(prompt))
+        stream = self.streams.assign(request_id, prompt)
+        earlier = self.cache.get(stream)
+        found = None if earlier is None else EarlierResponse.of(prompt, earlier, self.streams.keying)
+        self._requests[request_id] = (stream, prompt, found)
 
     def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
-        stream, prompt = self._requests[request_id]
-        earlier = self.cache.get(stream)
+        _, prompt, earlier = self._requests[request_id]
         if earlier is None:
             return [], 0, None
-        own = torch.tensor(tokens[prompt:], dtype=torch.long)  # [generated]
-        found = earlier[own.shape[0] : own.shape[0] + max_tokens].tolist()
-        shared = min(own.shape[0], earlier.shape[0])
-        differs = (own[:shared] != earlier[:shared]).nonzero()
-        if not differs.numel():
-            anchor = min(len(tokens), MAX_ANCHOR) if shared == own.shape[0] else 0
-        else:
-            anchor = min(shared - 1 - int(differs[-1]), MAX_ANCHOR)
-        return found, anchor, None
+        response = tokens[len(prompt) :]
+        key = self.streams.keys(request_id, prompt, response, [[]])[0]
+        found, anchor = earlier.offer(key, torch.tensor(response, dtype=torch.long), max_tokens, len(prompt))
+        return found.tolist(), min(anchor, MAX_ANCHOR), None
 
     def finish(self, request_id: str, tokens: list[int] | None) -> None:
-        stream, prompt = self._requests.pop(request_id, (None, 0))
+        stream, prompt, _ = self._requests.pop(request_id, (None, [], None))
         if tokens is not None and stream is not None:
-            self.cache.store(stream, torch.tensor(tokens[prompt:], dtype=torch.long))
+            self.cache.store(stream, torch.tensor(tokens[len(prompt) :], dtype=torch.long))
 
 
 @dataclass
@@ -371,15 +368,14 @@ class DraftModelRequests(RequestProposer):
             del seen[_common_prefix(seen, request.tokens) :]  # positions the target rejected are rewritten
         self._catch_up([r for r in drafting if self._backlog(r) > MAX_INLINE_TAIL])
         drafted: dict[str, list[tuple[list[int], list[float]]]] = {r.request_id: [] for r in drafting}
-        generated = {r.request_id: len(r.tokens) - len(self._sequences[r.request_id].state.initial_tokens)
-                     for r in drafting}
+        by_id = {r.request_id: r for r in drafting}
         feeds = [(r.request_id, self._unseen(r)) for r in drafting if self._backlog(r) <= MAX_INLINE_TAIL]
         while feeds:
             feeds = [(request_id, tokens) for request_id, tokens in feeds if self._fits(request_id, len(tokens))]
             if not feeds:
                 break
-            positions = [generated[r] + len(drafted[r]) for r, _ in feeds]  # response position each drafts
-            logits = self._perturbed(self._forward(feeds), [r for r, _ in feeds], positions)  # [fed, vocab]
+            paths = [[top[0] for top, _ in drafted[r]] for r, _ in feeds]  # each fed request's draft so far
+            logits = self._perturbed(self._forward(feeds), [by_id[r] for r, _ in feeds], paths)  # [fed, vocab]
             if width == 1:
                 tokens, log_probs = logits.argmax(-1, keepdim=True), torch.zeros(len(feeds), 1)  # [fed requests, 1]
             else:
@@ -389,14 +385,20 @@ class DraftModelRequests(RequestProposer):
             feeds = [(i, drafted[i][-1][0][:1]) for i, _ in feeds if len(drafted[i]) < wanted[i]]
         return [drafted.get(r.request_id, []) for r in requests]
 
-    def _perturbed(self, logits: torch.Tensor, request_ids: list[str], positions: list[int]) -> torch.Tensor:
+    def _perturbed(
+        self, logits: torch.Tensor, requests: list[DraftRequest], paths: list[list[int]]
+    ) -> torch.Tensor:
         """Under coupled sampling, `logits` (`[fed requests, vocab]`) over the temperature plus the noise each fed
-        request samples its response position (`positions`) with; unchanged otherwise."""
+        request samples its next token with after its draft so far (`paths`); unchanged otherwise."""
         if self._coupling is None:
             return logits
         streams, temperature = self._coupling
-        keys = [streams.assign(r, self._sequences[r].state.initial_tokens) for r in request_ids]
-        return perturb(logits.float() / temperature, torch.tensor(keys), torch.tensor(positions))
+        keys, ids = [], []
+        for request, path in zip(requests, paths):
+            prompt = self._sequences[request.request_id].state.initial_tokens
+            ids.append(streams.assign(request.request_id, prompt))
+            keys.extend(streams.keys(request.request_id, prompt, request.tokens[len(prompt) :], [path]))
+        return perturb(logits.float() / temperature, torch.tensor(ids), torch.tensor(keys))
 
     def _unseen(self, request: DraftRequest) -> list[int]:
         return request.tokens[len(self._sequences[request.request_id].seen) :]
@@ -1002,8 +1004,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         """Coupled sampling of the requests without a draft (`scores`: `[requests, vocab]` processed, in the order
         of `futures`): their perturbed argmax, written where transformers' update reads sampled tokens (and their
         log-probabilities, as its sampler writes them)."""
-        positions = torch.tensor([future.state.generated_len() for future in futures])  # [requests]
-        tokens = coupled_choice(scores, self._streams_of(futures), positions)  # [requests]
+        keys = torch.tensor([self._keys_of(future, [[]])[0] for future in futures])  # [requests]
+        tokens = coupled_choice(scores, self._streams_of(futures), keys)  # [requests]
         output_ids = self.inputs_and_outputs.output_ids
         output_ids[0, : tokens.shape[0]].copy_(tokens)
         if self.return_logprobs:
@@ -1015,14 +1017,20 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         book = self.speculator.streams
         return torch.tensor([book.assign(f.state.request_id, f.state.initial_tokens) for f in futures])
 
+    def _keys_of(self, future: FutureRequestState, paths: list[list[int]]) -> list[int]:
+        """The noise key of the token `future`'s request samples after its tokens so far and each of `paths`."""
+        state = future.state
+        return self.speculator.streams.keys(state.request_id, state.initial_tokens, state.generated_tokens, paths)
+
     def _perturbed(
-        self, scores: torch.Tensor, futures: list[FutureRequestState], depths: torch.LongTensor
+        self, scores: torch.Tensor, futures: list[FutureRequestState], paths: list[list[list[int]]]
     ) -> torch.Tensor:
-        """`scores` (`[requests, nodes, vocab]`) plus the noise of each node's response position (the request's
-        generated tokens plus the node's depth, `depths` `[requests, nodes]`)."""
-        generated = torch.tensor([future.state.generated_len() for future in futures])  # [requests]
-        positions = generated.unsqueeze(1) + depths
-        return perturb(scores, self._streams_of(futures).unsqueeze(1).expand_as(positions), positions)
+        """`scores` (`[requests, nodes, vocab]`) plus the noise of the token each node samples: after the request's
+        tokens and the node's path of draft tokens (`paths[i][j]`; nodes past a request's own sample anything)."""
+        keys = torch.zeros(scores.shape[:2], dtype=torch.long)  # [requests, nodes]
+        for i, (future, request_paths) in enumerate(zip(futures, paths)):
+            keys[i, : len(request_paths)] = torch.tensor(self._keys_of(future, request_paths))
+        return perturb(scores, self._streams_of(futures).unsqueeze(1).expand_as(keys), keys)
 
     def _verify(self, drafting: list[tuple[FutureRequestState, list[int], torch.Tensor]]) -> list[_Verified]:
         """Greedy matching or rejection sampling of every drafting request's draft, in one batch (coupled sampling:
@@ -1041,8 +1049,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         lengths = torch.tensor([len(draft) for _, draft, _ in drafting], dtype=torch.long)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [requests, k + 1, vocab]
         if self.coupled:
-            depths = torch.arange(width + 1).expand(len(drafting), -1)
-            perturbed = self._perturbed(scores, [future for future, _, _ in drafting], depths)
+            paths = [[draft[:depth] for depth in range(len(draft) + 1)] for _, draft, _ in drafting]
+            perturbed = self._perturbed(scores, [future for future, _, _ in drafting], paths)
             accepted, next_tokens = verify_greedy(perturbed, drafts, lengths)
         elif self.do_sample:
             accepted, next_tokens = verify_sampling(probs, drafts, lengths, None)
@@ -1073,7 +1081,12 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             scores[i, : request_scores.shape[0]] = request_scores
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [requests, nodes, vocab]
         if self.coupled:
-            perturbed = self._perturbed(scores, [future for future, _, _ in drafting], tree.depths)
+            nodes = tree.paths()[:, :, 1:]  # [requests, nodes, depth] each node's path after the root
+            tokens = tree.tokens.gather(1, nodes.clamp(min=0).flatten(1)).view(nodes.shape).tolist()
+            depths = tree.depths.tolist()
+            paths = [[row_tokens[node][: row_depths[node]] for node in range(len(row_depths))]
+                     for row_tokens, row_depths in zip(tokens, depths)]
+            perturbed = self._perturbed(scores, [future for future, _, _ in drafting], paths)
             outcome = verify_tree_greedy(perturbed, tree)
         else:
             outcome = verify_tree_sampling(probs, tree, None) if self.do_sample else verify_tree_greedy(scores, tree)
@@ -1335,7 +1348,7 @@ def init_continuous_batching(
     policy = _policy_for(model, proposer.model, config, None, engine="continuous_batching")
     if config.tree_node_budget:
         _check_tree_attention(model)
-    streams = StreamBook(config.seed) if config.sampling == "coupled" else None
+    streams = StreamBook(config.seed, config.coupling_keys) if config.sampling == "coupled" else None
     speculator = Speculator(model, proposer, policy, max_draft, config.tree_node_budget, streams)
     if config.reuse_rollouts:
         _reuse_rollouts(speculator, model, config)

@@ -3,9 +3,13 @@
 Words (shared with the config, the stats and the docs): each row of a call samples from its own *stream*, a 63-bit
 number computed from the seed, the row's prompt (its token ids without padding) and the row's *index* among the rows
 of the call with the same prompt (TRL's GRPO layout: a group of `G` samples of one prompt are its indices
-`0 .. G - 1`). Each sampled token has a *key*: its position in the row's response (0 for the first generated token).
-The *noise* of (stream, key) is one Gumbel variable per token id, computed by a counter-based hash: nothing is drawn
-from a generator, so the noise is the same whatever ran before, on every device and in every process.
+`0 .. G - 1`). Each sampled token has a *key* (`DynSpecConfig.coupling_keys`): by default its *context*, the hash of
+the 4 tokens before it (the prompt's, before the response has 4) and how many earlier tokens of the response had a
+window with that hash, so no key repeats within a row (`context_keys`); or its *position* in the response (0 for
+the first generated token). The *noise* of (stream, key) is one Gumbel variable per token id, computed by a
+counter-based hash: nothing is drawn from a generator, so the noise is the same whatever ran before, on every device
+and in every process. A key is a function of the row's earlier tokens that never repeats in the row, so each token's
+noise is fresh given everything sampled before it, whichever the keying.
 
 The sampled token is `argmax(scores + noise)` over the processed scores (after temperature, top-k, top-p, repetition
 penalty, ...). With Gumbel noise that is exactly a sample of `softmax(scores)` (the Gumbel-max trick); what a row
@@ -17,14 +21,16 @@ samples is a deterministic function of its stream and of the model's distributio
 - two models sampled with the same stream agree on a token with probability at least `(1 - TV) / (1 + TV)` in the
   total variation distance of their distributions (Daliri, Musco and Suresh, 2024: "Coupling without communication
   and drafter-invariant speculative decoding"). A policy sampled again after a small update repeats most of what it
-  sampled before, which the rollout cache (`candidates.rollout`) proposes back.
+  sampled before, which the rollout cache (`candidates.rollout`) proposes back. Keyed by context, a later sample that
+  inserted or dropped a token samples with the earlier sample's noise again once its last 4 tokens are the earlier
+  sample's; keyed by position, only after a substitution.
 
 The hash: `mix32` is a 32-bit integer finaliser (two multiply-xorshift rounds with odd constants below 2^31, so every
 product fits in a signed 64-bit integer and the arithmetic is exact on every device). A token id times an odd
 constant goes through two rounds keyed by the two 32-bit halves of the token's key, which `token_keys` derives from
-(stream, position); its top 23 bits and a half give a uniform in (0, 1) (exactly representable in
+(stream, key); its top 23 bits and a half give a uniform in (0, 1) (exactly representable in
 float32, so never 1), and `-log(-log(u))` the Gumbel variable, which is below `GUMBEL_MAX`.
-Distinct (stream, position) pairs get independent noise up to 64-bit key collisions.
+Distinct (stream, key) pairs get independent noise up to 64-bit stream collisions.
 """
 
 from __future__ import annotations
@@ -35,9 +41,13 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .sequences import TokenBatch
 
 SAMPLERS = ("standard", "coupled")
 """Values of `DynSpecConfig.sampling`."""
@@ -67,14 +77,17 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def token_keys(streams: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two 32-bit halves of each token's key (`[items]` each, int64) from its stream and position (`[items]`)."""
+def token_keys(streams: torch.LongTensor, keys: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit halves of each token's noise key (`[items]` each, int64) from its stream and key (`[items]`:
+    a position, or a context key `window | count << 32`, see `context_keys`). Distinct keys of one stream give
+    distinct halves (each step is a bijection of what it adds)."""
     low, high = streams & _MASK, (streams >> 32) & _MASK
-    at = mix32((positions & _MASK) ^ _GOLDEN)
+    at = mix32((keys & _MASK) ^ _GOLDEN)
     first = mix32(low ^ at)
-    return first, mix32(high ^ mix32(first ^ _ROUNDS[0]))
+    return first, mix32(high ^ mix32(first ^ _ROUNDS[0] ^ ((keys >> 32) & _MASK)))
 
 
+# ---- noise ------------------------------------------------------------------------------------------------------------
 def _noise_at(first: torch.Tensor, second: torch.Tensor, ids: torch.LongTensor) -> torch.Tensor:
     """Float32 Gumbel noise of token `ids` under keys `first`, `second` (all broadcast to one shape)."""
     x = ((ids * _GOLDEN) & _MASK) ^ first
@@ -94,13 +107,13 @@ ITEMS_AT_ONCE = 8
 
 def gumbel_noise(
     streams: torch.LongTensor,  # [items]
-    positions: torch.LongTensor,  # [items]
+    keys: torch.LongTensor,  # [items]
     vocab: int,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """`[items, vocab]` float32 Gumbel noise of each item's (stream, position) over token ids `0 .. vocab - 1`."""
+    """`[items, vocab]` float32 Gumbel noise of each item's (stream, key) over token ids `0 .. vocab - 1`."""
     device = device or streams.device
-    first, second = token_keys(streams.to(device).long(), positions.to(device).long())
+    first, second = token_keys(streams.to(device).long(), keys.to(device).long())
     ids = torch.arange(vocab, device=device).unsqueeze(0)  # [1, vocab]
     return _noise_at(first.unsqueeze(1), second.unsqueeze(1), ids)
 
@@ -169,6 +182,127 @@ def _candidates(scores: torch.Tensor, streams: torch.LongTensor, positions: torc
         yield _Candidates(start, block.shape[0], items, ids, values)
 
 
+# ---- keys ------------------------------------------------------------------------------------------------------------
+KEYINGS = ("context", "position")
+"""Values of `DynSpecConfig.coupling_keys`: what a sampled token's noise is keyed by besides its row's stream."""
+CONTEXT_TOKENS = 4
+"""Tokens a context key's window covers."""
+_OUTSIDE = _MASK
+"""Stands for the tokens before a sequence's first in a window (no token id is 2^32 - 1)."""
+
+
+def window_hashes(sequence: torch.LongTensor) -> torch.LongTensor:
+    """`[..., length]` a 32-bit hash of the `CONTEXT_TOKENS` tokens of `sequence` (`[..., length]`) ending at each
+    index (`_OUTSIDE` for those before index 0 and for entries equal to `_OUTSIDE`)."""
+    tokens = sequence.long() & _MASK
+    lead = tokens.new_full(tokens.shape[:-1] + (CONTEXT_TOKENS - 1,), _OUTSIDE)
+    padded = torch.cat([lead, tokens], dim=-1)  # [..., length + CONTEXT_TOKENS - 1]
+    length = tokens.shape[-1]
+    hashed = mix32(padded[..., :length] ^ _GOLDEN)
+    for offset in range(1, CONTEXT_TOKENS):
+        hashed = mix32(hashed ^ padded[..., offset : offset + length])
+    return hashed
+
+
+def context_keys(
+    sequence: torch.LongTensor,  # [items, length] real tokens, `_OUTSIDE` (or anything) beyond them
+    first: torch.LongTensor,  # [items] index of the first response token in `sequence`
+    sampled: torch.LongTensor,  # [items] index the sampled token takes (its predecessors are real)
+) -> torch.LongTensor:
+    """`[items]` each sampled token's context key: the hash `w` of the `CONTEXT_TOKENS` tokens before it (the
+    prompt's, before there are enough in the response) and how many earlier response tokens had a window hashing to
+    `w`, as `w | count << 32`. No key repeats within a row, and a row that drifted from an earlier sample of its
+    stream samples with that sample's noise again once its last `CONTEXT_TOKENS` tokens and their count agree."""
+    windows = window_hashes(sequence)  # [items, length]: windows[:, j] precedes the token at j + 1
+    own = windows.gather(1, (sampled - 1).unsqueeze(1))  # [items, 1]
+    at = torch.arange(sequence.shape[1], device=sequence.device).unsqueeze(0)  # [1, length]
+    earlier = (at >= first.unsqueeze(1) - 1) & (at < sampled.unsqueeze(1) - 1)  # windows of earlier response tokens
+    counts = ((windows == own) & earlier).sum(dim=1)  # [items]
+    return own.squeeze(1) | (counts << 32)
+
+
+def batch_keys(
+    batch: TokenBatch,
+    rows: torch.LongTensor,  # [rows] rows of `batch`
+    path: torch.LongTensor,  # [rows, ..., depth] draft tokens after each row's committed ones
+    drawn: torch.LongTensor,  # [rows, ...] how many of `path` precede the sampled token
+    keying: str,
+) -> torch.LongTensor:
+    """`[rows, ...]` the key of the token each item samples after its row's committed tokens and `drawn` tokens of
+    its `path` (`keying`: 'position' or 'context'), on the device."""
+    shape = drawn.shape
+    rows = rows.view((-1,) + (1,) * (drawn.dim() - 1)).expand(shape).reshape(-1)  # [items]
+    drawn = drawn.reshape(-1)
+    if keying == "position":
+        return (batch.num_generated[rows] + drawn).view(shape)
+    path = path.reshape(drawn.shape[0], -1)  # [items, depth]
+    tokens = batch.tokens[rows]  # [items, width]
+    width, depth = tokens.shape[1], path.shape[1]
+    columns = torch.arange(width + depth + 1, device=tokens.device).unsqueeze(0)  # [1, width + depth + 1]
+    start = (batch.prompt_width - batch.num_prompt[rows]).unsqueeze(1)  # [items, 1]
+    end = (batch.prompt_width + batch.num_generated[rows]).unsqueeze(1)  # [items, 1] after the committed tokens
+    sequence = torch.cat([tokens, tokens.new_full((tokens.shape[0], depth + 1), _OUTSIDE)], dim=1)
+    sequence = torch.where((columns[:, : width + depth + 1] >= start) & (columns < end), sequence, _OUTSIDE)
+    steps = columns[:, :depth]  # [1, depth]
+    into = torch.where(steps < drawn.unsqueeze(1), end + steps, width + depth)  # the last column takes the rest
+    sequence.scatter_(1, into, path.long())
+    keys = context_keys(sequence[:, : width + depth], torch.full_like(drawn, batch.prompt_width), end[:, 0] + drawn)
+    return keys.view(shape)
+
+
+def _mix32_int(x: int) -> int:
+    """`mix32` of one Python int (the same arithmetic, on the host)."""
+    x ^= x >> 16
+    x = (x * _ROUNDS[0]) & _MASK
+    x ^= x >> 15
+    x = (x * _ROUNDS[1]) & _MASK
+    return x ^ (x >> 15)
+
+
+def window_hash(window: Sequence[int]) -> int:
+    """`window_hashes` of the `CONTEXT_TOKENS` tokens `window` (oldest first; `_OUTSIDE` before a sequence's start)."""
+    hashed = _mix32_int((int(window[0]) & _MASK) ^ _GOLDEN)
+    for token in window[1:]:
+        hashed = _mix32_int(hashed ^ (int(token) & _MASK))
+    return hashed
+
+
+class RowKeys:
+    """The keys of one row's tokens on the host, as its response grows (what `batch_keys` computes on the device for
+    the loop's rows): proposers that align an earlier sample by key, and continuous batching, use it."""
+
+    def __init__(self, prompt: Sequence[int], keying: str) -> None:
+        self.keying = keying
+        self.length = 0  # response tokens taken in
+        self._window = ([_OUTSIDE] * CONTEXT_TOKENS + [int(t) for t in prompt])[-CONTEXT_TOKENS:]
+        self._seen: Counter[int] = Counter()  # response tokens sampled after each window hash
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Take in the next response `tokens`."""
+        for token in tokens:
+            self._seen[window_hash(self._window)] += 1
+            self._window = self._window[1:] + [int(token)]
+        self.length += len(tokens)
+
+    def along(self, path: Sequence[int] = ()) -> list[int]:
+        """The key of the next token, then of the token after each further token of `path`: `len(path) + 1` keys."""
+        if self.keying == "position":
+            return list(range(self.length, self.length + len(path) + 1))
+        keys, window, extra = [], self._window, Counter()
+        for token in [*path, None]:
+            hashed = window_hash(window)
+            keys.append(hashed | (self._seen[hashed] + extra[hashed]) << 32)
+            extra[hashed] += 1
+            window = window[1:] + [token]
+        return keys
+
+
+def response_keys(prompt: Sequence[int], response: Sequence[int], keying: str) -> list[int]:
+    """The key of each token of `response` (after `prompt`) under `keying`: what a row that samples `response`
+    hashes its noise with."""
+    return RowKeys(prompt, keying).along(response)[: len(response)]
+
+
 # ---- streams ---------------------------------------------------------------------------------------------------------
 def prompt_digest(prompt: Sequence[int]) -> bytes:
     """16 bytes that identify a prompt (its token ids without padding)."""
@@ -233,10 +367,11 @@ class StreamBook:
     `0, 1, ...` (a GRPO group added together), and a prompt requested again after its earlier requests finished
     finds the same streams again (the next epoch's group)."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+    def __init__(self, seed: int, keying: str = "context") -> None:
+        self.seed, self.keying = seed, keying
         self._held: dict[bytes, set[int]] = {}  # per prompt digest: the indices of requests in flight
         self._streams: dict[str, tuple[bytes, int, int]] = {}  # request id -> (digest, index, stream)
+        self._keys: dict[str, RowKeys] = {}  # request id -> its tokens' keys so far
         self._lock = threading.Lock()  # requests are added from the caller's thread, sampled in the manager's
 
     def assign(self, request_id: str, prompt: Sequence[int]) -> int:
@@ -250,9 +385,21 @@ class StreamBook:
                 self._streams[request_id] = (digest, index, stream_of(self.seed, digest, index))
             return self._streams[request_id][2]
 
+    def keys(
+        self, request_id: str, prompt: Sequence[int], response: Sequence[int], paths: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """The key of the token `request_id` samples after its `response` so far and each of `paths` (draft tokens)."""
+        with self._lock:
+            row = self._keys.get(request_id) or RowKeys(prompt, self.keying)
+            if request_id in self._streams:  # kept while the request is in flight (`release` drops it)
+                self._keys[request_id] = row
+            row.extend(response[row.length :])
+            return [row.along(path)[-1] for path in paths]
+
     def release(self, request_id: str) -> None:
         """The request finished or was cancelled: its index is free for the prompt's next request."""
         with self._lock:
+            self._keys.pop(request_id, None)
             entry = self._streams.pop(request_id, None)
             if entry is not None:
                 held = self._held[entry[0]]

@@ -34,7 +34,7 @@ from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
 from .config import DynSpecConfig
-from .coupling import coupled_choice, stream_keys
+from .coupling import batch_keys, coupled_choice, stream_keys
 from .distributed import DecisionBroadcast
 from .packing import can_pack
 from .placement import Instant, Placement, upload
@@ -152,7 +152,7 @@ class _Run:
         self.coupled = self.do_sample and self.streams is not None
         self.proposer = self._make_proposer(draft)
         if self.coupled:
-            self.proposer.couple(self.streams)
+            self.proposer.couple(self.streams, config.coupling_keys)
         self.packs = config.packed_verify and can_pack(model)  # verify forwards compute only the real tokens
         self.max_draft = self._max_draft_tokens()
         free = isinstance(self.proposer, (HybridProposer, SuffixProposer, RolloutProposer))
@@ -226,7 +226,8 @@ class _Run:
             )
         cache = rollout_cache_for(self.model, RolloutSettings.from_config(self.config))
         rollout = RolloutProposer(
-            cache, self.streams, self.config.prompt_lookup_max_tokens, across_ranks=not self.decisions.enabled
+            cache, self.streams, self.config.prompt_lookup_max_tokens, across_ranks=not self.decisions.enabled,
+            keying=self.config.coupling_keys,
         )
         if draft is None:
             return rollout
@@ -517,18 +518,28 @@ class _Run:
         self, scores: torch.Tensor, tree: TokenTree, draft_probs: torch.Tensor | None, batch: TokenBatch
     ) -> TreeVerification:
         """Verify `tree` against the processed target scores at its nodes (`[batch, nodes, vocab]`). Coupled sampling
-        matches each node's children against the node's perturbed argmax, keyed by the position it samples."""
+        matches each node's children against the node's perturbed argmax, keyed as the token it samples (`_keys`)."""
         if self.coupled:
             rows, nodes = tree.valid.nonzero(as_tuple=True)  # [items] each: noise only where a node is real
-            positions = batch.num_generated[rows] + tree.depths[rows, nodes]  # [items] response position sampled
+            keys = self._keys(batch, tree, rows, nodes)  # [items]
             chosen = torch.zeros(tree.tokens.shape, dtype=torch.long, device=scores.device)  # [batch, nodes]
-            chosen[rows, nodes] = coupled_choice(scores[rows, nodes], self.streams[batch.row_ids[rows]], positions)
+            chosen[rows, nodes] = coupled_choice(scores[rows, nodes], self.streams[batch.row_ids[rows]], keys)
             outcome = verify_tree_tokens(chosen, tree)
         elif self.do_sample:
             outcome = verify_tree_sampling(scores.softmax(dim=-1), tree, draft_probs)
         else:
             outcome = verify_tree_greedy(scores, tree)
         return self.decisions.verdict(tree, outcome)
+
+    def _keys(
+        self, batch: TokenBatch, tree: TokenTree, rows: torch.LongTensor, nodes: torch.LongTensor
+    ) -> torch.LongTensor:
+        """`[items]` the noise key of the token sampled after node `nodes[i]` of row `rows[i]`'s tree."""
+        if self.config.coupling_keys == "position":
+            return batch_keys(batch, rows, rows.new_zeros(rows.shape[0], 0), tree.depths[rows, nodes], "position")
+        paths = tree.paths()[rows, nodes, 1:]  # [items, depth] the nodes after the root on each item's path
+        path = tree.tokens[rows].gather(1, paths.clamp(min=0))  # [items, depth]
+        return batch_keys(batch, rows, path, tree.depths[rows, nodes], "context")
 
     # ---- emitting tokens and finishing rows --------------------------------------------------------------------------
     def _read(

@@ -113,11 +113,11 @@ class BatchedProposer(ABC):
         `node_budgets` (`[batch]`, tree proposers only) caps each row's draft nodes; `lengths` then caps its depth.
         """
 
-    def couple(self, streams: torch.LongTensor) -> None:
+    def couple(self, streams: torch.LongTensor, keying: str = "context") -> None:
         """Coupled sampling (`hf_dynspec.coupling`) with `streams` (`[rows]`, one per row of the batch `generate`
-        received): a proposer that draws tokens of its own (a draft model) draws each as the perturbed argmax of its
-        scores under the noise the target uses at the same position, and proposes it as a fixed token. Model-free
-        proposers propose fixed tokens anyway."""
+        received) and keys `keying` (`DynSpecConfig.coupling_keys`): a proposer that draws tokens of its own (a draft
+        model) draws each as the perturbed argmax of its scores under the noise the target uses at the same place,
+        and proposes it as a fixed token. Model-free proposers propose fixed tokens anyway."""
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor | None:
         """`[batch]` tokens the proposer's model must process before it can draft (`None`: no model)."""

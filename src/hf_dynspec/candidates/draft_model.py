@@ -10,7 +10,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import RaggedCache, check_cache_supported, loop_cache
 from ..config import DynSpecConfig
-from ..coupling import perturb
+from ..coupling import batch_keys, perturb
 from ..kernels import LinearPlan
 from ..placement import Placement, upload
 from ..processors import process_path_logits, row_wise
@@ -81,6 +81,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self.lookahead: int | None = None  # guess tokens a forward may carry, once drafting starts
         self._fed_nodes: torch.LongTensor | None = None  # [batch, fed] tree node of each draft-cache column fed
         self.streams: torch.LongTensor | None = None  # [rows] coupled sampling's stream per original row (`couple`)
+        self.keying = "context"  # coupled sampling's keys (`DynSpecConfig.coupling_keys`)
         self._num_assistant_tokens = self.config.num_speculative_tokens
 
     # ---- batched interface ---------------------------------------------------------------------------------------
@@ -100,23 +101,26 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     def model(self) -> PreTrainedModel:
         return self.draft_model
 
-    def couple(self, streams: torch.LongTensor) -> None:
+    def couple(self, streams: torch.LongTensor, keying: str = "context") -> None:
         """Draw every draft token as the perturbed argmax of the processed draft scores (a fixed proposal)."""
-        self.streams = streams
+        self.streams, self.keying = streams, keying
         self.do_sample = False
 
     def perturbed(
-        self, scores: torch.Tensor, batch: TokenBatch, rows: torch.LongTensor, drawn: torch.LongTensor
+        self,
+        scores: torch.Tensor,  # [rows, ..., vocab]
+        batch: TokenBatch,
+        rows: torch.LongTensor,  # [rows]
+        path: torch.LongTensor,  # [rows, ..., depth] draft tokens before each item's token
+        drawn: torch.LongTensor,  # [rows, ...] how many of them precede it
     ) -> torch.Tensor:
-        """Processed draft scores (`[rows, ..., vocab]`) plus, under coupled sampling, the noise the target samples
-        with at the same positions: row `rows[i]` of `batch` after `drawn` draft tokens (`[rows, ...]`) samples its
-        response position `num_generated + drawn`. Unchanged otherwise."""
+        """Processed draft scores plus, under coupled sampling, the noise the target samples with at the same place:
+        row `rows[i]` of `batch` after `drawn` tokens of its `path` (`coupling.batch_keys`). Unchanged otherwise."""
         if self.streams is None:
             return scores
-        shape = (-1,) + (1,) * (drawn.dim() - 1)
-        positions = batch.num_generated[rows].view(shape) + drawn  # [rows, ...]
-        streams = self.streams.to(rows.device)[batch.row_ids[rows]].view(shape).expand_as(positions)
-        return perturb(scores, streams, positions)
+        keys = batch_keys(batch, rows, path, drawn, self.keying)  # [rows, ...]
+        streams = self.streams.to(rows.device)[batch.row_ids[rows]]
+        return perturb(scores, streams.view((-1,) + (1,) * (drawn.dim() - 1)).expand_as(keys), keys)
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
         """`[batch]` committed tokens of each row not yet in the draft's cache (the prompt, before the first draft), on
@@ -266,7 +270,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             processed = process_path_logits(
                 self.logits_processor, batch, rows, chain.tokens[rows], drawn, scores[rows, j]
             )  # [rows, vocab]
-            token, token_probs = self._select(self.perturbed(processed, batch, rows, drawn))
+            token, token_probs = self._select(self.perturbed(processed, batch, rows, chain.tokens[rows], drawn))
             if early_stop is not None:
                 done = chain.host_done[host_rows]
                 stopped = self._early_stopped(early_stop, host_rows, done, token, token_probs, processed)
@@ -303,7 +307,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
             else:  # guesses exist only within each row's reach
                 active = walking & (chain.done < bounds[1]) & fed[:, j - 1]
             processed = process_path_logits(self.logits_processor, batch, every, chain.tokens, chain.done, scores[:, j])
-            token, _ = self._select(self.perturbed(processed, batch, every, chain.done))  # [batch]
+            token, _ = self._select(self.perturbed(processed, batch, every, chain.tokens, chain.done))  # [batch]
             chain.append_where(active, token)
             if j < guesses.shape[1]:
                 walking = active & (token == guesses[:, j])

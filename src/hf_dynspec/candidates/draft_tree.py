@@ -138,7 +138,8 @@ class DraftTreeProposer(DraftModelProposer):
             scores, guess_logits = self._expand(batch, growth, frontier, active, guess, context_length, depth)
             growth.fed.append(torch.where(active, frontier, -1))
             drawn = torch.full_like(frontier, depth)  # [batch, width] the frontier's depth: its children's index
-            growth.grow(frontier, active, self._draw(self.perturbed(scores, batch, rows_of(batch), drawn)),
+            path = growth.candidates.paths[rows_of(batch).unsqueeze(1), frontier.clamp(min=0)]  # [batch, width, depth]
+            growth.grow(frontier, active, self._draw(self.perturbed(scores, batch, rows_of(batch), path, drawn)),
                         scores.softmax(dim=-1) if self.do_sample else None)
             self._adopt_guesses(batch, growth, torch.where(active[:, 0], anchor, -2), guess, guess_logits, reach)
         candidates = growth.candidates
@@ -171,7 +172,7 @@ class DraftTreeProposer(DraftModelProposer):
             self.logits_processor, batch, rows, ids.new_zeros((batch.batch_size, 0)), torch.zeros_like(reach),
             logits[:, 0],
         )  # [batch, vocab]
-        perturbed = self.perturbed(root_scores, batch, rows, torch.zeros_like(reach))
+        perturbed = self.perturbed(root_scores, batch, rows, ids.new_zeros((batch.batch_size, 0)), torch.zeros_like(reach))
         candidates = self._root_children(perturbed, reach > 0)
         growth = _Growth(
             candidates, torch.zeros_like(candidates.tokens, dtype=torch.bool), [],
@@ -363,7 +364,8 @@ class DraftTreeProposer(DraftModelProposer):
             scores = process_path_logits(
                 self.logits_processor, batch, rows, candidates.paths[rows, child], depth, logits[:, j]
             ).unsqueeze(1)  # [batch, 1, vocab]
-            drawn = self.perturbed(scores, batch, rows, depth.unsqueeze(1))  # the child's children follow `depth`
+            path = candidates.paths[rows, child].unsqueeze(1)  # [batch, 1, depth]
+            drawn = self.perturbed(scores, batch, rows, path, depth.unsqueeze(1))  # the child's children follow `depth`
             growth.grow(child.unsqueeze(1), walking.unsqueeze(1), self._draw(drawn),
                         scores.softmax(dim=-1) if self.do_sample else None)
             current = child

@@ -40,8 +40,8 @@ class HybridProposer(BatchedProposer):
         self.draft.start(batch)
         self.lookup.start(batch)
 
-    def couple(self, streams: torch.LongTensor) -> None:
-        self.draft.couple(streams)
+    def couple(self, streams: torch.LongTensor, keying: str = "context") -> None:
+        self.draft.couple(streams, keying)
 
     def backlog(self, batch: TokenBatch) -> torch.LongTensor:
         return self.draft.backlog(batch)

@@ -8,10 +8,12 @@ rollouts too, but their acceptance rules change the distribution; here the targe
 perturbed argmax, so every token is exactly the current policy's sample).
 
 The [`RolloutCache`] of a target model keeps each finished row's response per stream, across calls; the
-[`RolloutProposer`] offers each row the cached response's tokens from the row's own position on (the noise is keyed by
-position, so the cached token at position `n` is what the row samples at `n` if the policy agrees there; after a
-row diverged, the cached tokens still align by position, and a row whose divergence was a substitution may re-join
-its earlier sample). It has prompt lookup's interface, so the hybrid proposer takes it beside a draft model, and the
+[`RolloutProposer`] offers each row the cached response's tokens that follow the row's next key
+([`EarlierResponse`]): the earlier token sampled with the noise the row samples its next token with is what the row
+samples if the policy agrees there. With context keys (`DynSpecConfig.coupling_keys`) a row that diverged re-joins
+its earlier sample as soon as its last tokens and their count agree with the earlier sample's again, after a
+substitution, an insertion or a dropped token alike; with position keys only a substitution re-aligns. It has prompt
+lookup's interface, so the hybrid proposer takes it beside a draft model, and the
 goodput policy sizes its proposals as it sizes other model-free ones: a row that has repeated its earlier sample over
 its last `copy_anchor` tokens or more is a *copy* (`free_anchors`), with an acceptance estimate of its own.
 """
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..coupling import gather_from_ranks
+from ..coupling import RowKeys, gather_from_ranks, response_keys
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
 from .prompt_lookup import PromptLookupProposer
@@ -44,6 +46,34 @@ class RolloutSettings:
     @classmethod
     def from_config(cls, config: DynSpecConfig) -> RolloutSettings:
         return cls(config.rollout_cache_samples, config.rollout_cache_tokens)
+
+
+@dataclass(frozen=True)
+class EarlierResponse:
+    """A stream's earlier response and where each of its tokens was sampled: by the key of its noise."""
+
+    tokens: torch.LongTensor  # [length] on the CPU
+    index: dict[int, int]  # key -> the index in `tokens` of the token sampled with it
+
+    @classmethod
+    def of(cls, prompt: list[int], tokens: torch.LongTensor, keying: str) -> EarlierResponse:
+        return cls(tokens, {key: n for n, key in enumerate(response_keys(prompt, tokens.tolist(), keying))})
+
+    def offer(
+        self, key: int, response: torch.LongTensor, max_tokens: int, prompt_length: int
+    ) -> tuple[torch.LongTensor, int]:
+        """The earlier tokens from the one sampled with `key`, the row's next key, on (`[found]`, up to
+        `max_tokens`), and the anchor: how many final tokens of the row's `response` (`[generated]`) equal the
+        earlier tokens before that one, plus `prompt_length` when the whole response repeats the earlier one's start."""
+        start = self.index.get(key)
+        if start is None:
+            return self.tokens[:0], 0
+        shared = min(int(response.shape[0]), start)
+        differs = (response[response.shape[0] - shared :] != self.tokens[start - shared : start]).nonzero()
+        anchor = shared - 1 - int(differs[-1]) if differs.numel() else shared
+        if anchor == start == response.shape[0]:
+            anchor += prompt_length
+        return self.tokens[start : start + max_tokens], anchor
 
 
 class RolloutCache:
@@ -122,7 +152,12 @@ class RolloutProposer(PromptLookupProposer):
     """
 
     def __init__(
-        self, cache: RolloutCache, streams: torch.LongTensor, num_output_tokens: int = 10, across_ranks: bool = True
+        self,
+        cache: RolloutCache,
+        streams: torch.LongTensor,
+        num_output_tokens: int = 10,
+        across_ranks: bool = True,
+        keying: str = "context",
     ) -> None:
         """
         Args:
@@ -130,18 +165,29 @@ class RolloutProposer(PromptLookupProposer):
             streams: `[rows]` the stream of each row of the batch `generate` received (`coupling.stream_keys`).
             across_ranks: share the call's responses with the other ranks of a data-parallel run (not with the ranks of
                 a tensor-parallel target, which decode the same rows).
+            keying: the keys of coupled sampling's noise (`DynSpecConfig.coupling_keys`), which align a row with its
+                earlier response.
         """
         super().__init__(num_output_tokens=num_output_tokens)
         self.cache = cache
         self.across_ranks = across_ranks
+        self.keying = keying
         self._stored: list[tuple[int, list[int]]] = []  # this call's (stream, response), to share across ranks
         self.streams = streams.cpu().tolist()
-        self._earlier: list[torch.LongTensor | None] = []  # per row id: its stream's earlier response
+        self._earlier: list[EarlierResponse | None] = []  # per row id: its stream's earlier response
+        self._keys: list[RowKeys] = []  # per row id: its tokens' keys so far
         self._offer: tuple[list[torch.LongTensor], torch.LongTensor] | None = None  # this step's `free_lengths`
 
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
-        self._earlier = [self.cache.get(stream) for stream in self.streams]
+        host = batch.host
+        prompts = [host.tokens[row, batch.prompt_width - int(host.num_prompt[row]) : batch.prompt_width].tolist()
+                   for row in range(batch.batch_size)]  # the rows of the call, in row id order
+        self._keys = [RowKeys(prompt, self.keying) for prompt in prompts]
+        self._earlier = [
+            None if earlier is None else EarlierResponse.of(prompt, earlier, self.keying)
+            for prompt, earlier in zip(prompts, (self.cache.get(stream) for stream in self.streams))
+        ]
         self._stored = []
 
     @property
@@ -180,34 +226,24 @@ class RolloutProposer(PromptLookupProposer):
         self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
     ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
         """Each row's continuation of its earlier response (`[found]`, up to `lengths[b]` tokens) and its `[batch]`
-        anchor: how many of the row's final tokens equal the earlier response's at the same positions (its prompt
+        anchor: how many of the row's final tokens equal the earlier response's before the continuation (its prompt
         counts while the whole response so far repeats the earlier one), capped at `max_anchor` when it is set."""
         lengths = lengths.clamp(max=self.num_output_tokens)
         found, anchors = [], []
+        host = batch.host
         for row in range(batch.batch_size):
-            earlier = self._earlier[int(batch.row_ids[row])]
-            generated = int(batch.num_generated[row])
+            row_id, generated = int(host.row_ids[row]), int(host.num_generated[row])
+            earlier, keys = self._earlier[row_id], self._keys[row_id]
             if earlier is None or int(lengths[row]) <= 0:
                 found.append(batch.tokens.new_zeros(0))
                 anchors.append(0)
                 continue
-            found.append(earlier[generated : generated + int(lengths[row])].to(batch.tokens.device))
-            anchor = self._anchor(batch, row, earlier)
+            own = host.tokens[row, batch.prompt_width : batch.prompt_width + generated]  # [generated]
+            keys.extend(own[keys.length :].tolist())
+            continuation, anchor = earlier.offer(keys.along()[0], own, int(lengths[row]), int(host.num_prompt[row]))
+            found.append(continuation.to(batch.tokens.device))
             anchors.append(min(anchor, max_anchor) if max_anchor else anchor)
         return found, torch.tensor(anchors, dtype=torch.long, device=batch.tokens.device)
-
-    @staticmethod
-    def _anchor(batch: TokenBatch, row: int, earlier: torch.LongTensor) -> int:
-        """Final tokens of the row that equal `earlier`'s at the same response positions (plus its prompt when every
-        generated token does)."""
-        generated = int(batch.num_generated[row])
-        own = batch.tokens[row, batch.prompt_width : batch.prompt_width + generated].cpu()  # [generated]
-        shared = min(generated, int(earlier.shape[0]))
-        differs = (own[:shared] != earlier[:shared]).nonzero()
-        if differs.numel() == 0 and shared == generated:
-            return generated + int(batch.num_prompt[row])
-        last = int(differs[-1]) if differs.numel() else shared - 1
-        return max(0, shared - 1 - last) if generated <= earlier.shape[0] else 0
 
     def propose(
         self,

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from ..candidates.rollout import RolloutSettings, rollout_cache_for
 from ..config import DynSpecConfig
+from ..coupling import response_keys
 from .bench import BenchSettings, load_inputs, machine_description, run_benchmark, target_tokenizer
 from .rollout import forward_seconds, matched_seconds
 from .runner import left_pad, trim
@@ -107,6 +108,8 @@ def run_epochs(settings: BenchSettings, epochs: EpochSettings, progress: bool = 
         first_settings = dataclasses.replace(settings, methods=epochs.first_epoch_methods)
         results["first_epoch"] = run_benchmark(first_settings, base, draft, prompts, progress)
 
+    keying = DynSpecConfig().coupling_keys  # the keys every method of the scenario samples with
+
     def measure(steps: int) -> None:
         second_settings = dataclasses.replace(settings, methods=epochs.methods)
         run = run_benchmark(second_settings, base, draft, prompts, progress, rollouts=rollouts, keep_rows=True)
@@ -117,10 +120,11 @@ def run_epochs(settings: BenchSettings, epochs: EpochSettings, progress: bool = 
             "updates": steps,
             "kl_per_token": policy_kl(policy, prompts, first, settings),
             "agreement": agreement(first, second),
-            "bound": hindsight_bound(first, second, run, epochs.profile),
+            "bound": hindsight_bound(first, second, run, epochs.profile, prompts, keying),
             "realized": {  # each reusing method's own rows (in low precision, its forwards round otherwise)
                 name: {"agreement": agreement(first, rows[name]),
-                       "bound": hindsight_bound(first, rows[name], run, epochs.profile)} for name in reusing
+                       "bound": hindsight_bound(first, rows[name], run, epochs.profile, prompts, keying)}
+                for name in reusing
             },
             "results": run,
         })
@@ -247,14 +251,24 @@ def agreement(first: list[list[int]], second: list[list[int]]) -> dict[str, Any]
     }
 
 
-def oracle_widths(earlier: Sequence[int], row: Sequence[int], max_tokens: int = MAX_REUSED_TOKENS) -> list[int]:
+def oracle_widths(
+    earlier: Sequence[int],
+    row: Sequence[int],
+    max_tokens: int = MAX_REUSED_TOKENS,
+    prompt: Sequence[int] = (),
+    keying: str = "position",
+) -> list[int]:
     """Tokens per row of each verify forward after the prefill when the rollout cache proposes, with hindsight, exactly
-    the earlier sample's tokens that the row repeats from its position on (at most `max_tokens`), and the target adds
-    one: the fewest forwards the row can take, each as narrow as it can be."""
+    the earlier sample's tokens that the row repeats from the one sampled with the row's next key on (`keying`, after
+    `prompt`; by position, the row's own position), at most `max_tokens`, and the target adds one: the fewest
+    forwards the row can take, each as narrow as it can be."""
+    index = {key: n for n, key in enumerate(response_keys(prompt, earlier, keying))}
+    keys = response_keys(prompt, row, keying)
     widths, n = [], 1  # the prefill wrote the first token
     while n < len(row):
-        run = 0
-        while run < max_tokens and n + run < len(row) - 1 and n + run < len(earlier) and earlier[n + run] == row[n + run]:
+        start, run = index.get(keys[n]), 0
+        while (start is not None and run < max_tokens and n + run < len(row) - 1 and start + run < len(earlier)
+               and earlier[start + run] == row[n + run]):
             run += 1
         widths.append(run + 1)
         n += run + 1
@@ -262,14 +276,21 @@ def oracle_widths(earlier: Sequence[int], row: Sequence[int], max_tokens: int = 
 
 
 def hindsight_bound(
-    first: list[list[int]], second: list[list[int]], run: dict[str, Any], profile: str | None = None
+    first: list[list[int]],
+    second: list[list[int]],
+    run: dict[str, Any],
+    profile: str | None = None,
+    prompts: list[list[int]] | None = None,
+    keying: str = "position",
 ) -> dict[str, Any]:
-    """The speed over the loop without speculation that the oracle schedules (`oracle_widths`) reach, in lockstep
-    (a forward serves every row still writing), priced by active rows as that loop's forwards in `run`, with a
-    calibration profile each verify by its width (its tokens against a one-token step, packed)."""
+    """The speed over the loop without speculation that the oracle schedules (`oracle_widths`, rows aligned by
+    `keying` after their `prompts`) reach, in lockstep (a forward serves every row still writing), priced by active
+    rows as that loop's forwards in `run`, with a calibration profile each verify by its width (its tokens against
+    a one-token step, packed)."""
     calls = [c for t in run.get("timelines", []) if t["method"] == COUPLED for c in t["calls"]]
     start, by_rows = forward_seconds(calls)
-    widths = [oracle_widths(a, b) for a, b in zip(first, second)]
+    prompts = prompts or [[] for _ in second]
+    widths = [oracle_widths(a, b, prompt=p, keying=keying) for a, b, p in zip(first, second, prompts)]
     width_cost = _width_cost(profile)
     seconds = start
     for step in range(max(map(len, widths), default=0)):
