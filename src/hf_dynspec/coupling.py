@@ -235,19 +235,30 @@ def batch_keys(
     drawn = drawn.reshape(-1)
     if keying == "position":
         return (batch.num_generated[rows] + drawn).view(shape)
-    path = path.reshape(drawn.shape[0], -1)  # [items, depth]
-    tokens = batch.tokens[rows]  # [items, width]
-    width, depth = tokens.shape[1], path.shape[1]
-    columns = torch.arange(width + depth + 1, device=tokens.device).unsqueeze(0)  # [1, width + depth + 1]
-    start = (batch.prompt_width - batch.num_prompt[rows]).unsqueeze(1)  # [items, 1]
-    end = (batch.prompt_width + batch.num_generated[rows]).unsqueeze(1)  # [items, 1] after the committed tokens
-    sequence = torch.cat([tokens, tokens.new_full((tokens.shape[0], depth + 1), _OUTSIDE)], dim=1)
-    sequence = torch.where((columns[:, : width + depth + 1] >= start) & (columns < end), sequence, _OUTSIDE)
-    steps = columns[:, :depth]  # [1, depth]
-    into = torch.where(steps < drawn.unsqueeze(1), end + steps, width + depth)  # the last column takes the rest
-    sequence.scatter_(1, into, path.long())
-    keys = context_keys(sequence[:, : width + depth], torch.full_like(drawn, batch.prompt_width), end[:, 0] + drawn)
-    return keys.view(shape)
+    path = path.reshape(drawn.shape[0], -1).long()  # [items, depth]
+    windows, real = _committed_windows(batch)  # [batch, width] each
+    end = batch.prompt_width + batch.num_generated[rows]  # [items] the column after each row's committed tokens
+    before = torch.arange(-CONTEXT_TOKENS, 0, device=end.device)  # [CONTEXT_TOKENS]
+    at = end.unsqueeze(1) + before  # [items, CONTEXT_TOKENS]
+    tail = torch.where(at >= 0, real[rows].gather(1, at.clamp(min=0)), _OUTSIDE)  # the last committed tokens
+    local = window_hashes(torch.cat([tail, path], dim=1))[:, CONTEXT_TOKENS - 1 :]  # [items, depth + 1]
+    own = local.gather(1, drawn.unsqueeze(1))  # [items, 1]: local[:, j] precedes path token j
+    steps = torch.arange(path.shape[1], device=end.device).unsqueeze(0)  # [1, depth]
+    in_path = ((local[:, :-1] == own) & (steps < drawn.unsqueeze(1))).sum(dim=1)
+    columns = torch.arange(windows.shape[1], device=end.device).unsqueeze(0)  # [1, width]
+    response = (columns >= batch.prompt_width - 1) & (columns < end.unsqueeze(1) - 1)  # windows of response tokens
+    in_response = ((windows[rows] == own) & response).sum(dim=1)
+    return (own.squeeze(1) | ((in_path + in_response) << 32)).view(shape)
+
+
+def _committed_windows(batch: TokenBatch) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """`[batch, width]` each: the window hash ending at every column of `batch.tokens`, and the tokens with
+    `_OUTSIDE` wherever a row holds no real token (left padding, columns after its committed tokens)."""
+    columns = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).unsqueeze(0)  # [1, width]
+    start = (batch.prompt_width - batch.num_prompt).unsqueeze(1)  # [batch, 1]
+    end = (batch.prompt_width + batch.num_generated).unsqueeze(1)
+    real = torch.where((columns >= start) & (columns < end), batch.tokens, _OUTSIDE)
+    return window_hashes(real), real
 
 
 def _mix32_int(x: int) -> int:
