@@ -36,6 +36,7 @@ NON_DEFAULT = {
     "draft_vocab_size": None,
     "sampling": "coupled",
     "seed": 17,
+    "coupling_keys": "position",
     "reuse_rollouts": True,
     "rollout_cache_samples": 64,
     "rollout_cache_tokens": 8192,
