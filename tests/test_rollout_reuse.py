@@ -149,3 +149,8 @@ def test_what_reuse_cannot_combine_with_is_refused(target, group, config, kwargs
 def test_reuse_needs_coupled_sampling():
     with pytest.raises(ValueError, match="sampling='coupled'"):
         DynSpecConfig(reuse_rollouts=True)
+
+
+def test_an_unknown_keying_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"`coupling_keys` must be one of \[.context., .position.\], got .hash."):
+        DynSpecConfig(sampling="coupled", coupling_keys="hash")
