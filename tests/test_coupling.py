@@ -20,7 +20,6 @@ from hf_dynspec.coupling import (
     GUMBEL_MAX,
     RowKeys,
     batch_keys,
-    context_keys,
     coupled_choice,
     gumbel_noise,
     mix32,
@@ -136,16 +135,13 @@ def _random_row(generator: torch.Generator) -> tuple[list[int], list[int]]:
     return prompt.tolist(), response.tolist()
 
 
-def test_context_keys_never_repeat_within_a_row_and_agree_on_host_and_device():
+def test_context_keys_never_repeat_within_a_row_and_grow_with_the_row():
     generator = torch.Generator().manual_seed(0)
     for _ in range(60):
         prompt, response = _random_row(generator)
         host = response_keys(prompt, response, "context")
         assert len(set(host)) == len(host)
         n = len(response)
-        sequence = torch.tensor([prompt + response]).expand(n, -1)
-        sampled = torch.arange(len(prompt), len(prompt) + n)
-        assert context_keys(sequence, torch.full((n,), len(prompt)), sampled).tolist() == host
         cut = int(torch.randint(0, n + 1, (1,), generator=generator))
         keys = RowKeys(prompt, "context")
         keys.extend(response[:cut])

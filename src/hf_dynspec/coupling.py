@@ -5,7 +5,7 @@ number computed from the seed, the row's prompt (its token ids without padding) 
 of the call with the same prompt (TRL's GRPO layout: a group of `G` samples of one prompt are its indices
 `0 .. G - 1`). Each sampled token has a *key* (`DynSpecConfig.coupling_keys`): by default its *context*, the hash of
 the 4 tokens before it (the prompt's, before the response has 4) and how many earlier tokens of the response had a
-window with that hash, so no key repeats within a row (`context_keys`); or its *position* in the response (0 for
+window with that hash, so no key repeats within a row (`batch_keys`, `RowKeys`); or its *position* in the response (0 for
 the first generated token). The *noise* of (stream, key) is one Gumbel variable per token id, computed by a
 counter-based hash: nothing is drawn from a generator, so the noise is the same whatever ran before, on every device
 and in every process. A key is a function of the row's earlier tokens that never repeats in the row, so each token's
@@ -79,7 +79,7 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
 
 def token_keys(streams: torch.LongTensor, keys: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two 32-bit halves of each token's noise key (`[items]` each, int64) from its stream and key (`[items]`:
-    a position, or a context key `window | count << 32`, see `context_keys`). Distinct keys of one stream give
+    a position, or a context key `window | count << 32`, see `batch_keys`). Distinct keys of one stream give
     distinct halves (each step is a bijection of what it adds)."""
     low, high = streams & _MASK, (streams >> 32) & _MASK
     at = mix32((keys & _MASK) ^ _GOLDEN)
@@ -202,23 +202,6 @@ def window_hashes(sequence: torch.LongTensor) -> torch.LongTensor:
     for offset in range(1, CONTEXT_TOKENS):
         hashed = mix32(hashed ^ padded[..., offset : offset + length])
     return hashed
-
-
-def context_keys(
-    sequence: torch.LongTensor,  # [items, length] real tokens, `_OUTSIDE` (or anything) beyond them
-    first: torch.LongTensor,  # [items] index of the first response token in `sequence`
-    sampled: torch.LongTensor,  # [items] index the sampled token takes (its predecessors are real)
-) -> torch.LongTensor:
-    """`[items]` each sampled token's context key: the hash `w` of the `CONTEXT_TOKENS` tokens before it (the
-    prompt's, before there are enough in the response) and how many earlier response tokens had a window hashing to
-    `w`, as `w | count << 32`. No key repeats within a row, and a row that drifted from an earlier sample of its
-    stream samples with that sample's noise again once its last `CONTEXT_TOKENS` tokens and their count agree."""
-    windows = window_hashes(sequence)  # [items, length]: windows[:, j] precedes the token at j + 1
-    own = windows.gather(1, (sampled - 1).unsqueeze(1))  # [items, 1]
-    at = torch.arange(sequence.shape[1], device=sequence.device).unsqueeze(0)  # [1, length]
-    earlier = (at >= first.unsqueeze(1) - 1) & (at < sampled.unsqueeze(1) - 1)  # windows of earlier response tokens
-    counts = ((windows == own) & earlier).sum(dim=1)  # [items]
-    return own.squeeze(1) | (counts << 32)
 
 
 def batch_keys(
