@@ -13,11 +13,11 @@ from hf_dynspec.calibration import (
     _CachedForward,
     calibrate,
     parse_int_list,
-    time_call,
     uniform_draft_length,
     vllm_speculative_config,
 )
 from hf_dynspec.cli import main
+from hf_dynspec.clocks import time_call
 from hf_dynspec.estimators import DraftTiming, Profile, ProfileCostModel, TargetTiming
 from hf_dynspec.evaluation.tiny import tiny_pair
 from hf_dynspec.policies import BatchTablePolicy, PolicyInput, build_policy

@@ -10,7 +10,8 @@ from conftest import left_padded_prompts, perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.placement import Instant, Placement, Seconds, elapsed
+from hf_dynspec.clocks import Instant, Seconds, elapsed
+from hf_dynspec.placement import Placement
 from hf_dynspec.policies import StaticPolicy
 
 TARGET_SECONDS, DRAFT_SECONDS = 0.5, 0.125

@@ -199,13 +199,13 @@ def test_settings_priority(tmp_path: Path, draft) -> None:
 
 
 def test_folder_without_settings_uses_defaults(exported: Path, target, draft) -> None:
-    from hf_dynspec.loop import _LEARNED_POLICIES
+    from hf_dynspec.policies import _LEARNED
 
-    _LEARNED_POLICIES.pop(target, None)
+    _LEARNED.pop(target, None)
     out = _generate_through(exported, target, draft)
     assert _max_requested(out) <= DynSpecConfig().num_speculative_tokens
     # the default policy (goodput) is remembered per target, draft and configuration: the defaults' configuration
-    remembered = [json.loads(key[1]) for key in _LEARNED_POLICIES.get(target, {})]
+    remembered = [json.loads(key[1]) for key in _LEARNED.get(target, {})]
     assert remembered == [DynSpecConfig().to_dict()]
 
 

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from hf_dynspec.cli import main
 from hf_dynspec.commands.bench import _rate_list
-from hf_dynspec.evaluation.serve import ServeMethod, _rate, arrival_times, classify_requests, serve_table
+from hf_dynspec.evaluation.serve import ServeMethod, arrival_rates, arrival_times, classify_requests, serve_table
 
 
 def test_arrivals_are_poisson_and_repeatable():
@@ -116,7 +116,7 @@ def test_requests_are_classified_against_plain_generate():
 
 def test_rates_are_requests_per_second_or_shares_of_capacity():
     assert _rate_list("0.5x, 1x,2") == ["0.5x", "1.0x", 2.0]
-    assert [_rate(value, capacity=4.0) for value in _rate_list("0.5x,1x,3")] == [2.0, 4.0, 3.0]
+    assert arrival_rates(_rate_list("0.5x,1x,3"), capacity=4.0) == [2.0, 3.0, 4.0]
     for bad in ("0,1", "fast", "-1x", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             _rate_list(bad)

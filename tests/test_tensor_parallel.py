@@ -19,7 +19,8 @@ import torch
 from conftest import left_padded_prompts, perturbed, tiny_model
 
 from hf_dynspec.candidates.base import Proposal
-from hf_dynspec.distributed import DecisionBroadcast, tensor_parallel_group
+from hf_dynspec.devices import tensor_parallel_group
+from hf_dynspec.distributed import DecisionBroadcast
 from hf_dynspec.placement import Placement
 from hf_dynspec.verification import tree_outcome
 

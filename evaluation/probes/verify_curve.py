@@ -21,7 +21,8 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from hf_dynspec.calibration import _CachedForward, time_call
+from hf_dynspec.calibration import _CachedForward
+from hf_dynspec.clocks import time_call
 from hf_dynspec.estimators import PiecewiseLinear
 from hf_dynspec.evaluation.models import LoadOptions, load_model, resolve_model, split_variant
 

@@ -25,9 +25,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .cache import cache_kwarg, loop_cache, sliding_windows
+from .clocks import time_call
+from .devices import cuda_devices, input_device
 from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
 from .kernels import NARROW_LINEAR, LinearPlan, linear_plan, narrow_linear, narrow_rows, row_major_output
-from .placement import Instant, cuda_devices, elapsed, input_device
 from .policies.batch_table import BatchTablePolicy
 
 
@@ -68,21 +69,6 @@ class CalibrationSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-
-
-def time_call(
-    fn: Callable[[], Any], warmup: int, repeats: int, devices: tuple[torch.device, ...] = ()
-) -> list[float]:
-    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on the clock the loop times its steps with
-    (`placement.elapsed`): on the CUDA `devices` `fn` runs on, the time their streams took, waited for."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = Instant.now(devices)
-        fn()
-        samples.append(float(elapsed(start)))
-    return samples
 
 
 class _CachedForward:

@@ -59,11 +59,18 @@ from .candidates.rollout import EarlierResponse, RolloutSettings, rollout_cache_
 from .candidates.suffix import SuffixCache, SuffixSettings, chain_confidence, cut_tree, suffix_cache_for
 from .candidates.tree import TokenTree
 from .candidates.trie import lookup_trie
+from .clocks import Instant, Seconds, elapsed
 from .config import DynSpecConfig
 from .coupling import StreamBook, coupled_choice, perturb
-from .loop import _parameter_ratio, _policy_for
-from .placement import Instant, Seconds, cuda_devices, elapsed
-from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
+from .devices import cuda_devices
+from .policies import (
+    DraftLengthPolicy,
+    PolicyInput,
+    PrefillFeedback,
+    StepFeedback,
+    learned_policy,
+    parameter_ratio,
+)
 from .validation import check_vocabularies
 from .verification import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
@@ -778,7 +785,7 @@ class Speculator:
         self.stats.forward_seconds += seconds
         if not self._prefilled:
             draft = self.proposer.model
-            ratio = _parameter_ratio(draft, self.target) if draft is not None else None
+            ratio = parameter_ratio(draft, self.target) if draft is not None else None
             self.policy.observe_prefill(PrefillFeedback(num_requests, query_tokens, seconds, ratio, packed_verify=True))
             self._prefilled = True
             return
@@ -1345,7 +1352,7 @@ def init_continuous_batching(
             "given); drop `prompt_lookup_num_tokens`."
         )
     proposer, max_draft = _request_proposer(model, config, prompt_lookup_num_tokens, assistant_model)
-    policy = _policy_for(model, proposer.model, config, None, engine="continuous_batching")
+    policy = learned_policy(model, proposer.model, config, None, engine="continuous_batching")
     if config.tree_node_budget:
         _check_tree_attention(model)
     streams = StreamBook(config.seed, config.coupling_keys) if config.sampling == "coupled" else None

@@ -25,38 +25,9 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .candidates.base import Proposal
 from .candidates.tree import TokenTree
+from .devices import multi_process, tensor_parallel_group
 from .placement import Placement
 from .verification import TreeVerification, tree_outcome
-
-
-def tensor_parallel_group(model: PreTrainedModel) -> dist.ProcessGroup | None:
-    """The group of ranks `model` is tensor-parallel over (`tp_plan` / `DistributedConfig` loading), or `None`.
-
-    `None` also in a single process, and for an unsharded model in a multi-process run: there each rank decodes its
-    own prompts (data parallelism), and its decisions are its own.
-    """
-    if not _multi_process():
-        return None
-    mesh = _tensor_parallel_mesh(model)
-    return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
-
-
-def _multi_process() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _tensor_parallel_mesh(model: PreTrainedModel):
-    """The `tp` device mesh transformers built for `model`, or `None`."""
-    manager = getattr(model, "_mesh_manager", None)
-    if manager is not None:
-        try:
-            return manager.get_mesh("tp")
-        except (KeyError, RuntimeError, ValueError):
-            pass
-    mesh = getattr(model, "_device_mesh", None)
-    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-        return mesh["tp"]
-    return None
 
 
 class DecisionBroadcast:
@@ -132,7 +103,7 @@ class DecisionBroadcast:
 def _check_not_gathered_per_forward(target: PreTrainedModel) -> None:
     """Refuse DeepSpeed ZeRO-3 / FSDP targets, where transformers would set `synced_gpus` (it does not forward that
     flag to a callable `custom_generate`, so the loop checks the condition itself)."""
-    if _multi_process() and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(target)):
+    if multi_process() and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(target)):
         raise ValueError(
             "The target is sharded with DeepSpeed ZeRO-3 or FSDP, which needs synced_gpus=True (every rank runs "
             "forwards until all have finished); that is not supported by the speculative loop. Shard the target with "

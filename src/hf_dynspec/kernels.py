@@ -54,6 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .clocks import time_call
+from .devices import model_devices
+
 NARROW_LINEAR = ("auto", "on", "off")
 """Values of `DynSpecConfig.narrow_linear`."""
 
@@ -333,8 +336,6 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 def _computes_on_cpu(model: torch.nn.Module) -> bool:
     """Whether the model's weights are used on the CPU (offloaded weights on `meta` are loaded to the CPU)."""
-    from .placement import model_devices  # placement imports this module
-
     devices = model_devices(model)
     return bool(devices) and all(device.type == "cpu" for device in devices)
 
@@ -386,6 +387,4 @@ def _fastest_ways(stock: dict[int, float], first: dict[int, float]) -> tuple[tup
 
 def _median_seconds(kind: str, rows: int, fn: Callable[[], object]) -> float:
     """Median seconds of 5 calls of `fn` after 2 untimed ones (`kind` and `rows` name what is timed)."""
-    from .calibration import time_call  # calibration imports placement, which imports this module
-
     return statistics.median(time_call(fn, warmup=2, repeats=5))

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +31,14 @@ from .candidates.suffix import SuffixCache, SuffixProposer, SuffixSettings, suff
 from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .candidates.trie import LookupTreeProposer
+from .clocks import Instant
 from .config import DynSpecConfig
 from .coupling import batch_keys, coupled_choice, stream_keys
+from .devices import upload
 from .distributed import DecisionBroadcast
 from .packing import can_pack
-from .placement import Instant, Placement, upload
-from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, build_policy
+from .placement import Placement
+from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, learned_policy, parameter_ratio
 from .processors import process_logits, process_tree_logits
 from .readback import HostOutcome
 from .sequences import EmittedScores, TokenBatch, widen
@@ -111,7 +111,7 @@ def speculative_loop(
         model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config, translation,
         model_kwargs.get("attention_mask"),
     )
-    run.policy = _policy_for(model, assistant_model, config, dynspec_policy)
+    run.policy = learned_policy(model, assistant_model, config, dynspec_policy)
     run.streamer = streamer
     return run.generate(model_kwargs)
 
@@ -322,7 +322,7 @@ class _Run:
             batch = self._prefill_verifying(batch, proposal, mask, positions, cached)
         check_cache_supported(cache, "target model")  # the model may have built its cache in the forward
         self.stats.prefill_seconds = float(self.placement.since(start)) - drafting
-        ratio = _parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
+        ratio = parameter_ratio(self.proposer.model, self.model) if self.proposer.model is not None else None
         prefilled = input_ids[:, cached:].numel()  # tokens the prefill's forward computed
         prefill = PrefillFeedback(
             input_ids.shape[0], prefilled, self.stats.prefill_seconds, ratio, self.proposer.rows_apart, self.packs
@@ -712,12 +712,6 @@ class _Run:
             )
 
 
-_LEARNED_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
-policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
-generation keeps its heuristic draft length on the draft's generation config)."""
-
-
 def _translation(
     draft: PreTrainedModel | None,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -756,24 +750,6 @@ def _past_prefix(
     return torch.cat([sees.to(visibility.device), visibility], dim=2)
 
 
-def _policy_for(
-    model: PreTrainedModel,
-    draft: PreTrainedModel | None,
-    config: DynSpecConfig,
-    policy: DraftLengthPolicy | None,
-    engine: str = "generate",
-) -> DraftLengthPolicy:
-    """`policy` if given; a learning policy remembered for this (target, draft, config, engine); else a new one.
-    `engine` keeps apart policies whose steps cost differently: `generate`'s loop and continuous batching."""
-    if policy is not None or config.policy != "goodput":
-        return build_policy(config, policy)
-    learned = _LEARNED_POLICIES.setdefault(model, {})
-    key = (id(draft), json.dumps(config.to_dict(), sort_keys=True, default=str), engine)
-    if key not in learned:
-        learned[key] = build_policy(config)
-    return learned[key]
-
-
 def _applied_by_loop(criterion: object, generation_config: GenerationConfig) -> bool:
     """Whether `criterion` is one of the length and EOS criteria `generate` builds from `generation_config`, which the
     loop applies itself, row by row: a `MaxLengthCriteria` no tighter than `max_length`, an `EosTokenCriteria` of
@@ -785,11 +761,6 @@ def _applied_by_loop(criterion: object, generation_config: GenerationConfig) -> 
         ids = torch.as_tensor(criterion.eos_token_id).reshape(-1)
         return eos is not None and bool(torch.isin(ids.to(eos.device), eos.reshape(-1)).all())
     return False
-
-
-def _parameter_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
-    """Draft parameters over target parameters: the prior of the draft's cost relative to the target's."""
-    return sum(p.numel() for p in draft.parameters()) / max(sum(p.numel() for p in target.parameters()), 1)
 
 
 def _resolve_config(value: DynSpecConfig | dict | str | None, generation_config: GenerationConfig) -> DynSpecConfig:

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import folded_sdpa_attention
+from .devices import tensor_parallel_group, upload
 
 ATTENTION = "dynspec_packed"
 """Name of the packed attention function in transformers' `AttentionInterface`."""
@@ -54,8 +55,6 @@ class Packing:
         batch, width = query_mask.shape
         flat = query_mask.reshape(-1).nonzero().squeeze(1)  # [total]
         if device is not None:
-            from .placement import upload  # placement imports this module
-
             flat = upload(flat, device)
         return cls(flat, batch, width, mask, fold)
 
@@ -128,8 +127,6 @@ class PackedCache(Cache):
 def can_pack(model: PreTrainedModel) -> bool:
     """Whether `model`'s forwards can be packed: SDPA attention, no sliding windows, no tensor parallelism."""
     from .cache import sliding_windows
-    from .distributed import tensor_parallel_group
-
     config = model.config.get_text_config()
     return (
         getattr(model.config, "_attn_implementation", None) == "sdpa"

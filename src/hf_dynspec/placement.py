@@ -20,6 +20,8 @@ from .attention import folded_attention
 from .cache import RaggedCache, SlidingWindows, cache_kwarg, sliding_windows
 from .candidates.draft_head import DraftHead
 from .candidates.tree import block_attention_mask, causal_visibility, windowed_attention_masks
+from .clocks import Instant, Seconds, elapsed
+from .devices import input_device, model_devices
 from .kernels import LinearPlan, linear_plan, narrow_linear, row_major_output
 from .packing import PackedCache, Packing, packed
 
@@ -37,69 +39,6 @@ def _cache_kwarg(model_class: type) -> str:
 def logits_kwargs(model: PreTrainedModel, keep: int) -> dict[str, int]:
     """`{"logits_to_keep": keep}` when the model's forward accepts it (it then computes only the last logits)."""
     return {"logits_to_keep": keep} if _accepts_logits_to_keep(type(model)) else {}
-
-
-def _hooks(module: torch.nn.Module) -> tuple:
-    """The module's accelerate hooks (its `_hf_hook`, or the hooks inside a `SequentialHook`)."""
-    hook = getattr(module, "_hf_hook", None)
-    return () if hook is None else tuple(getattr(hook, "hooks", (hook,)))
-
-
-def _hook_device(module: torch.nn.Module) -> torch.device | None:
-    """The execution device recorded in the module's accelerate hook (`AlignDevicesHook`), or `None`."""
-    for hook in _hooks(module):
-        device = getattr(hook, "execution_device", None)
-        if device is not None:
-            return torch.device(device)
-    return None
-
-
-def input_device(model: PreTrainedModel) -> torch.device:
-    """The device a model's input ids must be on: where its input embeddings run.
-
-    That is the execution device of the embeddings' accelerate hook when the model was dispatched with a device map
-    or offload (an offloaded embedding's weight sits on `meta` until the hook loads it), else the weight's device.
-    Raises `ValueError` when the weight is on `meta` and no hook would ever load it.
-    """
-    embeddings = model.get_input_embeddings()
-    hooked = _hook_device(embeddings) or _hook_device(model)
-    if hooked is not None:
-        return hooked
-    device = embeddings.weight.device
-    if device.type == "meta":
-        raise ValueError(
-            f"{type(model).__name__}'s input embeddings are on the meta device without an accelerate hook to load "
-            "them, so the model cannot run. Load it with from_pretrained(..., device_map=...) (with max_memory / "
-            "offload_folder for offload), or dispatch it with accelerate's dispatch_model or cpu_offload."
-        )
-    return device
-
-
-def unloaded_parameters(model: torch.nn.Module) -> list[str]:
-    """Names of parameters on `meta` that no accelerate hook loads before use.
-
-    An offloading hook (`AlignDevicesHook(offload=True)`, as `device_map` offload and `cpu_offload` attach) on the
-    parameter's module or a parent loads it; hooks that only move inputs and outputs do not.
-    """
-    names: list[str] = []
-
-    def visit(module: torch.nn.Module, prefix: str, hooked: bool) -> None:
-        hooked = hooked or any(getattr(hook, "offload", False) for hook in _hooks(module))
-        for name, parameter in module.named_parameters(recurse=False):
-            if parameter.device.type == "meta" and not hooked:
-                names.append(prefix + name)
-        for name, child in module.named_children():
-            visit(child, f"{prefix}{name}.", hooked)
-
-    visit(model, "", False)
-    return names
-
-
-def model_devices(model: torch.nn.Module) -> set[torch.device]:
-    """Every device a model computes on: its parameters' devices (except `meta`) and its hooks' execution devices."""
-    devices = {parameter.device for parameter in model.parameters() if parameter.device.type != "meta"}
-    devices |= {device for module in model.modules() if (device := _hook_device(module)) is not None}
-    return devices
 
 
 @dataclass
@@ -268,90 +207,6 @@ class Placement:
     def since(self, start: Instant, end: Instant | None = None) -> float | Seconds:
         """Seconds from `start` to `end` (default: now), as `elapsed`."""
         return elapsed(start, end)
-
-
-@dataclass(frozen=True)
-class Instant:
-    """A moment of the loop: the host's clock, and a CUDA event recorded on the current stream of each CUDA device
-    the models compute on (none on a CPU)."""
-
-    wall: float
-    events: tuple = ()
-    devices: tuple[torch.device, ...] = ()  # the CUDA devices of `events`
-
-    @classmethod
-    def now(cls, cuda_devices: tuple[torch.device, ...] = ()) -> Instant:
-        events = []
-        for device in cuda_devices:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
-        return cls(time.perf_counter(), tuple(events), tuple(cuda_devices))
-
-
-def elapsed(start: Instant, end: Instant | None = None) -> float | Seconds:
-    """Seconds from `start` to `end` (default: now, on `start`'s devices) as the devices ran the work between them
-    (`Seconds`, read when used); where no CUDA device is involved, every forward is synchronous, and this is the
-    host's clock, as a float."""
-    end = Instant.now(start.devices) if end is None else end
-    return Seconds(start, end) if end.events else end.wall - start.wall
-
-
-def cuda_devices(*models: torch.nn.Module | None) -> tuple[torch.device, ...]:
-    """Every CUDA device the given models compute on (`model_devices`), in a fixed order."""
-    devices = set().union(*(model_devices(m) for m in models if m is not None))
-    return tuple(sorted({d for d in devices if d.type == "cuda"}, key=str))
-
-
-class Seconds:
-    """The seconds between two `Instant`s on the devices' clocks, read when first used as a number: the most any
-    device's stream took from the first instant's event to the second's. Reading waits for the second instant's
-    events, which costs nothing once the step's read of the device (`readback`) has passed them; so the loop takes
-    its timings before that read and uses them after it."""
-
-    __slots__ = ("_start", "_end", "_value")
-
-    def __init__(self, start: Instant, end: Instant) -> None:
-        self._start, self._end, self._value = start, end, None
-
-    def __float__(self) -> float:
-        if self._value is None:
-            elapsed = []
-            for first, last in zip(self._start.events, self._end.events):
-                last.synchronize()
-                elapsed.append(first.elapsed_time(last) / 1000.0)
-            self._value = max(elapsed, default=self._end.wall - self._start.wall)
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"Seconds({float(self)!r})"
-
-    def __add__(self, other: object) -> float:
-        return float(self) + float(other)
-
-    def __radd__(self, other: object) -> float:
-        return float(other) + float(self)
-
-    def __sub__(self, other: object) -> float:
-        return float(self) - float(other)
-
-    def __rsub__(self, other: object) -> float:
-        return float(other) - float(self)
-
-    def __lt__(self, other: object) -> bool:
-        return float(self) < float(other)
-
-    def __gt__(self, other: object) -> bool:
-        return float(self) > float(other)
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy on `device` of a host tensor that never makes the host wait: through pinned memory without blocking on
-    CUDA (from pageable memory the copy may wait for the device), a plain copy elsewhere. The host tensor may change
-    afterwards."""
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device, non_blocking=True, copy=True)
 
 
 def _one_token_sdpa_mask(mask: torch.LongTensor, host_mask: torch.LongTensor) -> torch.BoolTensor | None:

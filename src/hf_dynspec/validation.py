@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
-from .placement import unloaded_parameters
+from .devices import unloaded_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import upload
 from ..sequences import TokenBatch
 from .tree import TokenTree, checks_loop_trees
 
@@ -155,3 +156,11 @@ class BatchedProposer(ABC):
 
     def release(self) -> None:
         """Free per-call state (caches) at the end of `generate`."""
+
+
+def tree_proposal(tree: TokenTree, device: torch.device) -> Proposal:
+    """The draft nodes of `tree` (built on the host, e.g. by `TokenTree.from_parent_lists`) as a tree `Proposal` on
+    `device`, copied without waiting for it."""
+    host_lengths = tree.num_draft
+    tokens, lengths, parents = (upload(t, device) for t in (tree.tokens[:, 1:], host_lengths, tree.parents[:, 1:]))
+    return Proposal(tokens, lengths, None, parents, host_lengths=host_lengths)

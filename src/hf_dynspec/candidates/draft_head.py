@@ -21,6 +21,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
+from ..devices import input_device
 from ..kernels import row_major
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,6 @@ def _check(model: PreTrainedModel) -> str | None:
     decoder = model.get_decoder()
     if decoder is model:
         return "transformers finds no decoder module inside it (`get_decoder()` returns the model itself)"
-    from ..placement import input_device
-
     vocab = int(head.weight.shape[0])
     ids = (torch.arange(1, 9) % vocab).unsqueeze(0).to(input_device(model))  # [1, 8]
     with torch.no_grad():

@@ -11,8 +11,9 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..cache import RaggedCache, check_cache_supported, loop_cache
 from ..config import DynSpecConfig
 from ..coupling import batch_keys, perturb
+from ..devices import upload
 from ..kernels import LinearPlan
-from ..placement import Placement, upload
+from ..placement import Placement
 from ..processors import process_path_logits, row_wise
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..placement import upload
+from ..devices import upload
 from ..processors import process_path_logits
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal

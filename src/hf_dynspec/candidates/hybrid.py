@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import upload
+from ..devices import upload
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import DraftModelProposer

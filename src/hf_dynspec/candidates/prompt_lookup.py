@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..placement import upload
+from ..devices import upload
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..sequences import TokenBatch
-from .base import EarlyStop, Proposal
+from .base import EarlyStop, Proposal, tree_proposal
 from .prompt_lookup import PromptLookupProposer
-from .tree import TokenTree, tree_proposal
+from .tree import TokenTree
 
 if TYPE_CHECKING:
     from ..config import DynSpecConfig

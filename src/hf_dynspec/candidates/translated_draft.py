@@ -9,7 +9,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers
 
-from ..placement import Instant, cuda_devices, elapsed
+from ..clocks import Instant, elapsed
+from ..devices import cuda_devices
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import MAX_INLINE_TAIL

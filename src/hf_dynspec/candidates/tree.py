@@ -221,17 +221,6 @@ class TokenTree:
         return torch.where(nodes >= 0, self.parents.gather(1, nodes.clamp(min=0)), -1)
 
 
-def tree_proposal(tree: TokenTree, device: torch.device):
-    """The draft nodes of `tree` (built on the host, e.g. by `TokenTree.from_parent_lists`) as a tree `Proposal` on
-    `device`, copied without waiting for it."""
-    from ..placement import upload  # placement imports this module
-    from .base import Proposal  # base imports this module
-
-    host_lengths = tree.num_draft
-    tokens, lengths, parents = (upload(t, device) for t in (tree.tokens[:, 1:], host_lengths, tree.parents[:, 1:]))
-    return Proposal(tokens, lengths, None, parents, host_lengths=host_lengths)
-
-
 def block_attention_mask(
     cache_valid: torch.Tensor,  # [batch, length] 1 where a cache column is part of the row
     visibility: torch.BoolTensor,  # [batch, width, length + width] what each new token may see

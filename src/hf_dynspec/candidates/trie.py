@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sequences import TokenBatch
-from .base import EarlyStop, Proposal
+from .base import EarlyStop, Proposal, tree_proposal
 from .prompt_lookup import PromptLookupProposer
-from .tree import TokenTree, tree_proposal
+from .tree import TokenTree
 
 
 @dataclass

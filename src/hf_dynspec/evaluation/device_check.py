@@ -38,7 +38,7 @@ from ..candidates.base import Proposal
 from ..candidates.draft_model import DraftModelProposer
 from ..candidates.tree import CHECK_ENV
 from ..config import DynSpecConfig
-from ..placement import upload
+from ..devices import upload
 from ..sequences import TokenBatch
 from .syncs import SyncCounter, counting_steps
 

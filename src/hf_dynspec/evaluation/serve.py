@@ -216,7 +216,7 @@ def run_serve_benchmark(
         serve(method, [0.0] * min(2, len(prompts)))
     burst = serve(plain, [0.0] * len(prompts))
     capacity = len(prompts) / max(r["latency_s"] for r in burst["requests"])
-    rates = sorted(_rate(value, capacity) for value in (rates or [f"{s}x" for s in DEFAULT_RATE_SHARES]))
+    rates = arrival_rates(rates, capacity)
     runs = []
     schedule = [(rep, rate, shift) for rep in range(repetitions) for shift, rate in enumerate(rates)]
     for rep, rate, shift in tqdm(schedule, desc="serve runs", disable=not progress):
@@ -232,6 +232,12 @@ def run_serve_benchmark(
         "summary": _summary(runs, methods, rates),
         "equivalence": classify_requests(model, prompts, runs, generation_config, progress),
     }
+
+
+def arrival_rates(values: list[float | str] | None, capacity: float) -> list[float]:
+    """Arrival rates in requests/s, lowest first: each of `values` itself, or `"<share>x"` times `capacity` (the
+    plain method's requests per second in a burst); `DEFAULT_RATE_SHARES` of it when `values` is empty."""
+    return sorted(_rate(value, capacity) for value in (values or [f"{s}x" for s in DEFAULT_RATE_SHARES]))
 
 
 def _rate(value: float | str, capacity: float) -> float:

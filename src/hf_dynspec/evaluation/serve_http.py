@@ -242,7 +242,7 @@ def run_serve_through_servers(settings: Any, folder: Path, progress: bool = True
     from dataclasses import asdict
 
     from .bench import load_inputs, machine_description
-    from .serve import DEFAULT_RATE_SHARES, _rate, cb_config_for
+    from .serve import arrival_rates, cb_config_for
 
     methods = [ServeMethod.parse(name) for name in settings.methods.split(",") if name]
     methods = [ServeMethod.parse("cb-plain")] + [m for m in methods if m.proposer is not None]
@@ -260,7 +260,7 @@ def run_serve_through_servers(settings: Any, folder: Path, progress: bool = True
                 rows.append(_server_row(method, url, log, weights, settings.max_new_tokens, reference))
             if not rates:  # the plain server's capacity: every request at once
                 capacity = len(prompts) / rows[-1]["seconds"]
-                rates = sorted(_rate(v, capacity) for v in (settings.rates or [f"{s}x" for s in DEFAULT_RATE_SHARES]))
+                rates = arrival_rates(settings.rates, capacity)
             runs += _method_runs(method, url, log, weights, rates, settings)
     config = {key: value for key, value in asdict(settings).items() if key != "loaded_models"}
     return {"config": {**config, "through": "server", "continuous_batching": cb_config,

@@ -17,18 +17,23 @@ The full description is in `docs/policies.md`.
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import DynSpecConfig
-from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
+from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, parameter_ratio
 from .batch_table import SCHEDULE_KEY, BatchTablePolicy
 from .confidence import ConfidencePolicy, ConfidenceSettings, ConfidenceStopper
 from .goodput import GoodputPolicy, GoodputSettings, best_draft_lengths
 from .heuristic import HeuristicPolicy
 from .static import StaticPolicy
 from .threshold import ThresholdPolicy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _check_keys(policy: str, options: dict[str, Any], known: set[str]) -> None:
@@ -109,6 +114,30 @@ def build_policy(config: DynSpecConfig, policy: DraftLengthPolicy | None = None)
     return POLICIES[config.policy](config, dict(config.policy_options))
 
 
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per target model: the `goodput` policies built from a config, keyed by the config and the draft model, so that a
+policy's cost model and pooled acceptance survive from one `generate` call to the next (as transformers' assisted
+generation keeps its heuristic draft length on the draft's generation config)."""
+
+
+def learned_policy(
+    model: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    config: DynSpecConfig,
+    policy: DraftLengthPolicy | None,
+    engine: str = "generate",
+) -> DraftLengthPolicy:
+    """`policy` if given; a learning policy remembered for this (target, draft, config, engine); else a new one.
+    `engine` keeps apart policies whose steps cost differently: `generate`'s loop and continuous batching."""
+    if policy is not None or config.policy != "goodput":
+        return build_policy(config, policy)
+    learned = _LEARNED.setdefault(model, {})
+    key = (id(draft), json.dumps(config.to_dict(), sort_keys=True, default=str), engine)
+    if key not in learned:
+        learned[key] = build_policy(config)
+    return learned[key]
+
+
 __all__ = [
     "DraftLengthPolicy",
     "PolicyInput",
@@ -126,4 +155,6 @@ __all__ = [
     "best_draft_lengths",
     "POLICIES",
     "build_policy",
+    "learned_policy",
+    "parameter_ratio",
 ]

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 
 @dataclass
@@ -139,3 +140,8 @@ class DraftLengthPolicy(ABC):
             `[n]` bool, `False` where the row should stop after this token, or `None` to keep every row going.
         """
         return None
+
+
+def parameter_ratio(draft: PreTrainedModel, target: PreTrainedModel) -> float:
+    """Draft parameters over target parameters: the prior of the draft's cost relative to the target's."""
+    return sum(p.numel() for p in draft.parameters()) / max(sum(p.numel() for p in target.parameters()), 1)
