@@ -24,7 +24,7 @@ from conftest import perturbed, tiny_model, word_tokenizer  # noqa: E402
 import hf_dynspec  # noqa: E402
 from hf_dynspec import DynSpecConfig  # noqa: E402
 from hf_dynspec.continuous import SpeculativeManager  # noqa: E402
-from hf_dynspec.loop import _Run  # noqa: E402
+from hf_dynspec.loop import LoopRun  # noqa: E402
 
 PROMPTS = ["w5 w9 w17", "w40 w3 w8", "w7 w7 w7", "w22 w23 w11"]
 
@@ -38,7 +38,7 @@ def length_reward(completions: list[str], **kwargs) -> list[float]:
 def train(out_dir: Path, lora: bool, continuous: bool = False, reuse: bool = False) -> None:
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     runs: list[dict] = []
-    original, original_stop = _Run.generate, SpeculativeManager.stop
+    original, original_stop = LoopRun.generate, SpeculativeManager.stop
 
     def counted(self, model_kwargs):
         output = original(self, model_kwargs)
@@ -54,7 +54,7 @@ def train(out_dir: Path, lora: bool, continuous: bool = False, reuse: bool = Fal
                      "draft_tokens": self.speculation.draft_tokens, "do_sample": self.generation_config.do_sample,
                      "policy": type(self.speculator.policy).__name__})
 
-    _Run.generate, SpeculativeManager.stop = counted, counted_stop
+    LoopRun.generate, SpeculativeManager.stop = counted, counted_stop
     out_dir.mkdir(parents=True, exist_ok=True)
     target = tiny_model("llama", seed=0, dtype=torch.float32)
     if reuse:
@@ -89,7 +89,7 @@ def train(out_dir: Path, lora: bool, continuous: bool = False, reuse: bool = Fal
     record = {"rank": rank, "runs": runs, "trained": changed, "steps": trainer.state.global_step,
               "peft": type(trainer.model).__name__, "world_size": trainer.accelerator.num_processes, "backend": trainer.accelerator.state.backend}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    _Run.generate, SpeculativeManager.stop = original, original_stop
+    LoopRun.generate, SpeculativeManager.stop = original, original_stop
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from transformers import GenerationConfig, pipeline
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.loop import _Run
+from hf_dynspec.loop import LoopRun
 
 STATIC = DynSpecConfig(policy="static", num_speculative_tokens=3)
 
@@ -47,13 +47,13 @@ class Forwards:
 def loop_runs(monkeypatch):
     """How many `generate` calls the loop served."""
     runs = []
-    original = _Run.generate
+    original = LoopRun.generate
 
     def counted(self, model_kwargs):
         runs.append(self)
         return original(self, model_kwargs)
 
-    monkeypatch.setattr(_Run, "generate", counted)
+    monkeypatch.setattr(LoopRun, "generate", counted)
     return runs
 
 

@@ -14,7 +14,7 @@ import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.continuous import SpeculativeBatchProcessor
 from hf_dynspec.evaluation.syncs import SyncCounter, counting_steps
-from hf_dynspec.loop import _Run
+from hf_dynspec.loop import LoopRun
 from hf_dynspec.policies import build_policy
 
 MAX_DRAFT = 4
@@ -50,7 +50,7 @@ def count_steps(models, batch: int, lookup: bool = False, sample: bool = False, 
                                custom_generate=hf_dynspec.speculative_loop, dynspec_config=config, **kwargs, **extra)
 
     counter = SyncCounter()
-    with counting_steps(counter, [(_Run, "_step")]):
+    with counting_steps(counter, [(LoopRun, "step")]):
         generate(dynspec_policy=build_policy(config))
     return counter
 

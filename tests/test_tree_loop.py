@@ -235,19 +235,19 @@ def test_proposers_are_chosen_by_the_config(pair):
     target, draft = pair
     ids, mask = left_padded_prompts([5, 7], seed=1)
     seen = []
-    original = hf_dynspec.loop._Run._make_proposer
+    original = hf_dynspec.loop.LoopRun._make_proposer
 
     def spy(run, model):
         proposer = original(run, model)
         seen.append(type(proposer))
         return proposer
 
-    hf_dynspec.loop._Run._make_proposer = spy
+    hf_dynspec.loop.LoopRun._make_proposer = spy
     try:
         speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), draft, max_new_tokens=4)
         speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), prompt_lookup_num_tokens=3, max_new_tokens=4)
     finally:
-        hf_dynspec.loop._Run._make_proposer = original
+        hf_dynspec.loop.LoopRun._make_proposer = original
     assert seen == [DraftTreeProposer, LookupTreeProposer]
 
 

@@ -107,7 +107,7 @@ def speculative_loop(
         same_vocabulary=translation is None, suffix=config.proposer == "suffix", rollouts=config.reuse_rollouts,
         coupled=config.sampling == "coupled",
     )
-    run = _Run(
+    run = LoopRun(
         model, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config, config, translation,
         model_kwargs.get("attention_mask"),
     )
@@ -116,7 +116,7 @@ def speculative_loop(
     return run.generate(model_kwargs)
 
 
-class _Run:
+class LoopRun:
     """State of one `generate` call; `generate` runs prefill then steps until every row has finished."""
 
     def __init__(
@@ -259,7 +259,7 @@ class _Run:
         batch = self._prefill(model_kwargs)
         step = 0
         while batch.batch_size:
-            batch = self._step(batch, step)
+            batch = self.step(batch, step)
             step += 1
         self.proposer.release()
         self.stats.total_seconds = float(self.placement.since(start))
@@ -380,7 +380,7 @@ class _Run:
         return self._emit(batch, outcome.emitted, counts, host, self._along_path(scores, logits, outcome))
 
     # ---- one step -----------------------------------------------------------------------------------------------
-    def _step(self, batch: TokenBatch, step: int) -> TokenBatch:
+    def step(self, batch: TokenBatch, step: int) -> TokenBatch:
         """Draft, verify in one target forward, accept, emit; returns the batch of rows still running.
 
         The step reads the device once (`_read`, after the verify forward); every per-row number it passes the

@@ -202,7 +202,7 @@ def syncs(target: PreTrainedModel, draft: PreTrainedModel, s: dict[str, Any], de
         for name, kwargs in (("draft", {"assistant_model": draft}), ("lookup", {"prompt_lookup_num_tokens": 4})):
             config = DynSpecConfig(policy="static", draft_lookahead=0)
             counter = SyncCounter()
-            with unchecked_trees(), counting_steps(counter, [(loop._Run, "_step")]):
+            with unchecked_trees(), counting_steps(counter, [(loop.LoopRun, "step")]):
                 generate(target, ids, 16, **speculative(config), **kwargs)
             row = {"batch": batch, "proposer": name, "host_count_per_step": max(counter.per_step(), default=0)}
             if device == "cuda":
@@ -228,7 +228,7 @@ def unchecked_trees() -> Iterator[None]:
 def cuda_reported(target: PreTrainedModel, ids: torch.LongTensor, config: DynSpecConfig, kwargs: dict) -> list[int]:
     """Per decoding step, the synchronising calls CUDA reports (`torch.cuda.set_sync_debug_mode('warn')`)."""
     per_step: list[int] = []
-    step = loop._Run._step
+    step = loop.LoopRun.step
 
     def counted(self, *args, **kw):
         with warnings.catch_warnings(record=True) as caught:
@@ -237,14 +237,14 @@ def cuda_reported(target: PreTrainedModel, ids: torch.LongTensor, config: DynSpe
         per_step.append(sum("synchroniz" in str(w.message) for w in caught))
         return out
 
-    loop._Run._step = counted
+    loop.LoopRun.step = counted
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with unchecked_trees():
             generate(target, ids, 16, **speculative(config), **kwargs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        loop._Run._step = step
+        loop.LoopRun.step = step
     return per_step
 
 
