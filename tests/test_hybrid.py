@@ -162,6 +162,6 @@ def test_anchors_need_the_steps_lookup_first():
     from hf_dynspec.candidates.hybrid import HybridProposer
     from hf_dynspec.candidates.prompt_lookup import PromptLookupProposer
 
-    proposer = HybridProposer(draft=None, lookup=PromptLookupProposer())  # the draft model plays no part here
+    proposer = HybridProposer(draft=None, free=PromptLookupProposer())  # the draft model plays no part here
     with pytest.raises(RuntimeError, match="call that first"):
         proposer.free_anchors(SimpleNamespace(batch_size=2))  # a step's rows, before `free_lengths` looked them up

@@ -17,7 +17,7 @@ from hf_dynspec import DynSpecConfig
 from hf_dynspec.calibration import affordable_lookahead
 from hf_dynspec.candidates import DraftTreeProposer
 from hf_dynspec.candidates.draft_model import DraftModelProposer
-from hf_dynspec.candidates.prompt_lookup import PromptLookupProposer
+from hf_dynspec.candidates.free import proposal_of
 
 
 def copying_model(family: str, seed: int = 0):
@@ -57,7 +57,7 @@ def oracle_guesses(monkeypatch):
             for _ in range(count):
                 tokens = torch.cat([tokens, self.draft_model(tokens[None]).logits[0, -1:].argmax(-1)])
             found.append(tokens[tokens.shape[0] - count :])
-        padded = PromptLookupProposer.proposal(batch, found)
+        padded = proposal_of(batch, found)
         guessed = (torch.arange(padded.max_length) < padded.lengths.unsqueeze(1)).long()
         return padded.tokens, guessed, (padded.tokens, guessed)  # on the device, then on the host (one CPU here)
 

@@ -24,13 +24,13 @@ from .cache import RaggedCache, cached_prefix, check_cache_supported, generation
 from .candidates.base import BatchedProposer, Proposal
 from .candidates.draft_model import DraftModelProposer
 from .candidates.draft_tree import DraftTreeProposer
+from .candidates.free import ModelFreeProposer, ModelFreeSource
 from .candidates.hybrid import HybridProposer
-from .candidates.prompt_lookup import PromptLookupProposer
-from .candidates.rollout import RolloutProposer, RolloutSettings, rollout_cache_for
-from .candidates.suffix import SuffixCache, SuffixProposer, SuffixSettings, suffix_cache_for
+from .candidates.prompt_lookup import LookupTreeProposer, PromptLookupProposer
+from .candidates.rollout import RolloutSource
+from .candidates.sources import SourceContext, build_source, source_name
 from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
-from .candidates.trie import LookupTreeProposer
 from .clocks import Instant
 from .config import DynSpecConfig
 from .coupling import batch_keys, coupled_choice, stream_keys
@@ -155,7 +155,9 @@ class LoopRun:
             self.proposer.couple(self.streams, config.coupling_keys)
         self.packs = config.packed_verify and can_pack(model)  # verify forwards compute only the real tokens
         self.max_draft = self._max_draft_tokens()
-        free = isinstance(self.proposer, (HybridProposer, SuffixProposer, RolloutProposer))
+        # offers priced as model-free (prompt lookup alone is sized as a draft: `PromptLookupProposer`)
+        free = isinstance(self.proposer, (HybridProposer, ModelFreeProposer))
+        free = free and not isinstance(self.proposer, PromptLookupProposer)
         self.max_free = self.config.prompt_lookup_max_tokens if free else self.max_draft
         num_rows, width = input_ids.shape
         self.max_new_tokens = generation_config.max_length - width
@@ -191,7 +193,7 @@ class LoopRun:
                 "`assistant_model`, a prompt-lookup trie without) or proposer='suffix' without an assistant model."
             )
         if self.config.proposer == "suffix" and draft is None:
-            return SuffixProposer(self._suffix_cache(), self.config.prompt_lookup_max_tokens)
+            return ModelFreeProposer(self._source(), self.config.prompt_lookup_max_tokens)
         if draft is None:
             if self.config.proposer == "hybrid":
                 raise ValueError(
@@ -210,10 +212,7 @@ class LoopRun:
             )
         model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
         if mixed and self.config.num_speculative_tokens > 0:
-            free_tokens = self.config.prompt_lookup_max_tokens
-            if self.config.proposer == "suffix":
-                return HybridProposer(model, SuffixProposer(self._suffix_cache(), free_tokens))
-            return HybridProposer(model, self._lookup_proposer(free_tokens))
+            return HybridProposer(model, ModelFreeProposer(self._source(), self.config.prompt_lookup_max_tokens))
         return model
 
     def _rollout_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
@@ -224,18 +223,19 @@ class LoopRun:
                 "when one is given: set `tree_node_budget=0` and proposer='auto', and use a draft with the target's "
                 "tokenizer (no `assistant_tokenizer`)."
             )
-        cache = rollout_cache_for(self.model, RolloutSettings.from_config(self.config))
-        rollout = RolloutProposer(
-            cache, self.streams, self.config.prompt_lookup_max_tokens, across_ranks=not self.decisions.enabled,
-            keying=self.config.coupling_keys,
-        )
+        rollout = ModelFreeProposer(self._source(), self.config.prompt_lookup_max_tokens)
         if draft is None:
             return rollout
         model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
         return HybridProposer(model, rollout)
 
-    def _suffix_cache(self) -> SuffixCache:
-        return suffix_cache_for(self.model, SuffixSettings.from_config(self.config))
+    def _source(self) -> ModelFreeSource:
+        """The model-free source the config asks for (`candidates.sources`); a row's stream is its index's."""
+        streams = self.streams.tolist() if self.streams is not None else []
+        context = SourceContext(
+            self.model, self.config, lambda row, prompt: streams[row], across_ranks=not self.decisions.enabled
+        )
+        return build_source(source_name(self.config), context)
 
     def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
         kind = LookupTreeProposer if self.config.tree_node_budget else PromptLookupProposer
@@ -268,8 +268,8 @@ class LoopRun:
         self.stats.draft_forwards += self.proposer.forwards
         drafter = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
         self.stats.draft_lookahead = getattr(drafter, "lookahead", None)
-        rollout = getattr(self.proposer, "lookup", self.proposer)  # a hybrid's model-free proposer
-        self.stats.rollout_rows = rollout.found_rows if isinstance(rollout, RolloutProposer) else 0
+        source = getattr(getattr(self.proposer, "free", self.proposer), "source", None)  # a hybrid's model-free one
+        self.stats.rollout_rows = source.found_rows if isinstance(source, RolloutSource) else 0
         if self.streamer is not None:
             self.streamer.end()
         sequences = self.output[:, : self.input_ids.shape[1] + int(self.output_generated.max())]

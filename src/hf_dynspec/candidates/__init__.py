@@ -3,15 +3,20 @@
 from .base import BatchedProposer, Proposal
 from .draft_model import DraftModelProposer
 from .draft_tree import DraftTreeProposer
-from .prompt_lookup import PromptLookupProposer
+from .free import ModelFreeProposer, ModelFreeSource, Offer
+from .prompt_lookup import LookupSource, LookupTreeProposer, PromptLookupProposer
 from .tree import TokenTree
-from .trie import LookupTreeProposer, prompt_lookup_tree
+from .trie import prompt_lookup_tree
 
 __all__ = [
     "BatchedProposer",
     "DraftModelProposer",
     "DraftTreeProposer",
+    "LookupSource",
     "LookupTreeProposer",
+    "ModelFreeProposer",
+    "ModelFreeSource",
+    "Offer",
     "PromptLookupProposer",
     "Proposal",
     "TokenTree",

@@ -18,7 +18,8 @@ from ..processors import process_path_logits, row_wise
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_head import DraftHead
-from .prompt_lookup import lookup_continuation, padded
+from .free import padded
+from .prompt_lookup import lookup_continuation
 
 MAX_INLINE_TAIL = 2
 """Backlogs up to this width (the newest token, plus the last draft token after a bonus) ride in the first draft

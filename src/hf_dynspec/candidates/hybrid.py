@@ -1,4 +1,4 @@
-"""A hybrid proposer: per row and step, draft tokens from prompt lookup or suffix trees (free) or from the draft model.
+"""A hybrid proposer: per row and step, draft tokens from a model-free source (free) or from the draft model.
 
 Code edits and chat about code copy long spans of their context, which prompt lookup proposes at no model cost; text
 that is new needs the draft model. The policy decides per row which source serves it (`DraftLengthPolicy.free_rows`,
@@ -15,17 +15,17 @@ from ..devices import upload
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import DraftModelProposer
-from .prompt_lookup import MAX_ANCHOR, PromptLookupProposer
+from .free import ModelFreeProposer, Offer, proposal_of
 
 
 class HybridProposer(BatchedProposer):
-    """Prompt lookup where a row's context offers a continuation and the policy prefers it, the draft model elsewhere."""
+    """A model-free offer (prompt lookup, suffix trees, the rollout cache) where a row has one and the policy prefers
+    it, the draft model elsewhere."""
 
-    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer) -> None:
+    def __init__(self, draft: DraftModelProposer, free: ModelFreeProposer) -> None:
         self.draft = draft
-        self.lookup = lookup
-        self._found: list[torch.LongTensor] = []  # this step's lookup continuation of every row
-        self._anchors = torch.zeros(0, dtype=torch.long)  # [batch] and their anchors
+        self.free = free
+        self._offers: list[Offer] = []  # this step's model-free offer of every row
         self._draft_proposal: Proposal | None = None
 
     @property
@@ -38,7 +38,7 @@ class HybridProposer(BatchedProposer):
 
     def start(self, batch: TokenBatch) -> None:
         self.draft.start(batch)
-        self.lookup.start(batch)
+        self.free.start(batch)
 
     def couple(self, streams: torch.LongTensor, keying: str = "context") -> None:
         self.draft.couple(streams, keying)
@@ -47,18 +47,22 @@ class HybridProposer(BatchedProposer):
         return self.draft.backlog(batch)
 
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
-        full = torch.full((batch.batch_size,), max_length, dtype=torch.long)
-        self._found, self._anchors = self.lookup.matches(batch, full, MAX_ANCHOR)
-        return torch.tensor([f.shape[0] for f in self._found], dtype=torch.long)  # on the host, as the lookups
+        self._offers = self.free.offers(batch, torch.full((batch.batch_size,), max_length, dtype=torch.long))
+        return torch.tensor([offer.tokens.shape[0] for offer in self._offers], dtype=torch.long)  # on the host
 
     def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
-        return self.lookup.match_confidence()
+        if not self.free.source.says_confidence:
+            return None
+        return torch.tensor([offer.confidence for offer in self._last_offers(batch)], dtype=torch.float64)
 
     def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
-        """`[batch]` anchors of this step's lookup continuations (`lookup_match`), after `free_lengths`."""
-        if self._anchors.shape[0] != batch.batch_size:
-            raise RuntimeError("`free_anchors` describes the continuations of `free_lengths`: call that first.")
-        return self._anchors
+        """`[batch]` anchors of this step's model-free offers, after `free_lengths`."""
+        return torch.tensor([offer.anchor for offer in self._last_offers(batch)], dtype=torch.long)
+
+    def _last_offers(self, batch: TokenBatch) -> list[Offer]:
+        if len(self._offers) != batch.batch_size:
+            raise RuntimeError("`free_anchors` and `free_confidence` describe the offers of `free_lengths`: call that first.")
+        return self._offers
 
     def propose(
         self,
@@ -68,9 +72,9 @@ class HybridProposer(BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        if len(self._found) != batch.batch_size:
+        if len(self._offers) != batch.batch_size:
             self.free_lengths(batch, int(lengths.max()))
-        offered = torch.tensor([f.shape[0] for f in self._found], dtype=torch.long)  # [batch], as `lengths`: on the host
+        offered = torch.tensor([o.tokens.shape[0] for o in self._offers], dtype=torch.long)  # [batch] on the host
         if free_rows is None:
             free_rows = offered >= lengths
         free_rows = free_rows.to("cpu", copy=True) & (lengths > 0) & (offered > 0)
@@ -80,10 +84,10 @@ class HybridProposer(BatchedProposer):
             self._draft_proposal = self.draft.propose(batch, by_draft, early_stop)
             self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
             self.setup_seconds = self.draft.setup_seconds
-        found = [f[: int(n)] if bool(free) else f[:0] for f, n, free in zip(self._found, lengths, free_rows)]
-        self._found = []
+        found = [o.tokens[: int(n) if bool(free) else 0] for o, n, free in zip(self._offers, lengths, free_rows)]
+        self._offers = []
         self.last_free_rows = free_rows
-        return self._merge(PromptLookupProposer.proposal(batch, found), free_rows)
+        return self._merge(proposal_of(batch, found), free_rows)
 
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         if self._draft_proposal is not None:  # steps without a proposal commit nothing
@@ -92,15 +96,15 @@ class HybridProposer(BatchedProposer):
 
     def finish_rows(self, batch: TokenBatch, done: torch.LongTensor) -> None:
         self.draft.finish_rows(batch, done)
-        self.lookup.finish_rows(batch, done)
+        self.free.finish_rows(batch, done)
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.draft.select_rows(keep)
-        self.lookup.select_rows(keep)
+        self.free.select_rows(keep)
 
     def release(self) -> None:
         self.draft.release()
-        self.lookup.release()
+        self.free.release()
 
     def _merge(self, looked_up: Proposal, free_rows: torch.BoolTensor) -> Proposal:
         """One placeholder-padded proposal: lookup rows from `looked_up`, the others from the draft's proposal

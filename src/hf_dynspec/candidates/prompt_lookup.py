@@ -1,16 +1,16 @@
-"""Model-free proposer: continue the row's latest n-gram from an earlier occurrence in the row itself."""
+"""Prompt lookup: continue the row's latest n-gram from an earlier occurrence in the row itself (chains or tries)."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from ..devices import upload
 from ..sequences import TokenBatch
-from .base import BatchedProposer, EarlyStop, Proposal
-
-MAX_ANCHOR = 32
-"""Longest anchor `lookup_match` measures: enough to tell a row that copies a span from one that met a short n-gram."""
+from .base import EarlyStop, Proposal
+from .free import MAX_ANCHOR, ModelFreeProposer, ModelFreeSource, Offer
+from .trie import lookup_trie
 
 
 def lookup_continuation(tokens: torch.LongTensor, max_ngram: int, min_ngram: int, length: int) -> torch.LongTensor:
@@ -56,20 +56,39 @@ def _anchor(tokens: torch.LongTensor, start: int, size: int, max_anchor: int) ->
     return size + (int(differs[0]) if differs.numel() else reach - size)
 
 
-class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
-    """Prompt lookup (n-gram) drafting for every row of a batch, each with its own draft length.
+class LookupSource(ModelFreeSource):
+    """Prompt lookup for one row at a time: the tokens that followed the latest earlier occurrence of the row's last
+    n-gram (`lookup_match`), or every continuation of every earlier occurrence as a trie (`trie.lookup_trie`)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def offer(self, row: Hashable, tokens: torch.LongTensor, max_tokens: int) -> Offer:
+        found, anchor = lookup_match(tokens, self.max_ngram, self.min_ngram, max_tokens, MAX_ANCHOR)
+        return Offer(found, anchor)
+
+    def tree(self, row: Hashable, tokens: torch.LongTensor, depth: int, budget: int) -> tuple[list[int], list[int]]:
+        nodes, parents = lookup_trie(tokens, self.max_ngram, self.min_ngram, budget, depth)
+        return nodes[1:], parents[1:]  # node 0 of the trie is its root, the row's newest token
+
+
+class PromptLookupProposer(PromptLookupCandidateGenerator, ModelFreeProposer):
+    """Prompt lookup (n-gram) drafting for every row of a batch, each with its own draft length (`LookupSource`).
 
     Inside transformers' own batch-1 assisted loop it behaves as transformers' `PromptLookupCandidateGenerator`.
-    Its draft tokens are proposed deterministically (`Proposal.probs` is `None`), which the sampling verifier treats
-    as a one-hot `q`. It matches on the host copy of the rows' tokens (`TokenBatch.host`), so it never reads the
-    device.
+    Alone, its lengths are sized as a draft's are, from the acceptance the policy learns for it, as transformers sizes
+    prompt lookup (`free_lengths` is `None`); a hybrid proposer prices its offers as model-free beside the draft model.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_output_tokens: int = 10, **kwargs) -> None:
-        super().__init__(num_output_tokens=num_output_tokens, max_matching_ngram_size=max_ngram, **kwargs)
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-        self.forwards = 0
+        PromptLookupCandidateGenerator.__init__(
+            self, num_output_tokens=num_output_tokens, max_matching_ngram_size=max_ngram, **kwargs
+        )
+        ModelFreeProposer.__init__(self, LookupSource(max_ngram, min_ngram), num_output_tokens)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def free_lengths(self, batch: TokenBatch, max_length: int) -> None:
+        return None
 
     def propose(
         self,
@@ -79,47 +98,16 @@ class PromptLookupProposer(PromptLookupCandidateGenerator, BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        return self.proposal(batch, self.continuations(batch, lengths))
-
-    def continuations(self, batch: TokenBatch, lengths: torch.LongTensor) -> list[torch.LongTensor]:
-        """Each row's continuation (`[found]`, up to `lengths[b]` tokens, empty without a match or with length 0)."""
-        return self.matches(batch, lengths)[0]
-
-    def matches(
-        self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
-    ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-        """`continuations` and their `[batch]` anchors (`lookup_match`; 0 for rows without a match or length 0), all
-        on the host (`lengths` too)."""
-        lengths = lengths.clamp(max=self.num_output_tokens)
-        empty = (torch.zeros(0, dtype=torch.long), 0)
-        found = [
-            lookup_match(batch.host_real_tokens(row), self.max_ngram, self.min_ngram, int(lengths[row]), max_anchor)
-            if int(lengths[row]) > 0
-            else empty
-            for row in range(batch.batch_size)
-        ]
-        anchors = torch.tensor([anchor for _, anchor in found], dtype=torch.long)
-        return [continuation for continuation, _ in found], anchors
-
-    def match_confidence(self) -> torch.Tensor | None:
-        """`[batch]` confidence of the last `matches` (`BatchedProposer.free_confidence`); prompt lookup has none."""
-        return None
-
-    @staticmethod
-    def proposal(batch: TokenBatch, found: list[torch.LongTensor]) -> Proposal:
-        """A placeholder-padded `Proposal` of per-row continuations (`found`: on the host), copied to the device
-        without waiting for it."""
-        tokens, actual = padded(found, batch.batch_size, batch.pad_id)
-        device = batch.tokens.device
-        return Proposal(upload(tokens, device), upload(actual, device), None, host_lengths=actual)
+        proposal = ModelFreeProposer.propose(self, batch, lengths, early_stop, free_rows, node_budgets)
+        self.last_free_rows = None  # sized as a draft: its acceptance is learned as a draft's
+        return proposal
 
 
-def padded(found: list[torch.LongTensor], rows: int, pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Per-row continuations (`[found_b]` each) on the host as `[rows, longest]` tokens padded with `pad_id`, and
-    their `[rows]` lengths."""
-    actual = torch.tensor([f.shape[0] for f in found], dtype=torch.long)
-    width = int(actual.max()) if found else 0
-    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
-    for row, continuation in enumerate(found):
-        tokens[row, : continuation.shape[0]] = continuation
-    return tokens, actual
+class LookupTreeProposer(PromptLookupProposer):
+    """Prompt-lookup tries for every row of a batch (`trie.lookup_trie`): `lengths` cap each row's depth,
+    `node_budgets` its draft nodes (the depth when not given). Every child is a fixed proposal for the sampling
+    verifier."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_output_tokens: int = 10, **kwargs) -> None:
+        super().__init__(max_ngram, min_ngram, num_output_tokens, **kwargs)
+        self.trees = True

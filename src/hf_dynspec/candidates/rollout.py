@@ -8,29 +8,28 @@ rollouts too, but their acceptance rules change the distribution; here the targe
 perturbed argmax, so every token is exactly the current policy's sample).
 
 The [`RolloutCache`] of a target model keeps each finished row's response per stream, across calls; the
-[`RolloutProposer`] offers each row the cached response's tokens that follow the row's next key
+[`RolloutSource`] offers each row the cached response's tokens that follow the row's next key
 ([`EarlierResponse`]): the earlier token sampled with the noise the row samples its next token with is what the row
 samples if the policy agrees there. With context keys (`DynSpecConfig.coupling_keys`) a row that diverged re-joins
 its earlier sample as soon as its last tokens and their count agree with the earlier sample's again, after a
-substitution, an insertion or a dropped token alike; with position keys only a substitution re-aligns. It has prompt
-lookup's interface, so the hybrid proposer takes it beside a draft model, and the
-goodput policy sizes its proposals as it sizes other model-free ones: a row that has repeated its earlier sample over
-its last `copy_anchor` tokens or more is a *copy* (`free_anchors`), with an acceptance estimate of its own.
+substitution, an insertion or a dropped token alike; with position keys only a substitution re-aligns. It is a
+model-free source (`candidates.free`), so the hybrid proposer takes it beside a draft model, and the goodput policy
+sizes its proposals as it sizes other model-free ones: a row that has repeated its earlier sample over its last
+`copy_anchor` tokens or more is a *copy* (`free_anchors`), with an acceptance estimate of its own.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..coupling import RowKeys, gather_from_ranks, response_keys
-from ..sequences import TokenBatch
-from .base import EarlyStop, Proposal
-from .prompt_lookup import PromptLookupProposer
+from .free import MAX_ANCHOR, ModelFreeProposer, ModelFreeSource, Offer
 
 if TYPE_CHECKING:
     from ..config import DynSpecConfig
@@ -141,15 +140,92 @@ def clear_rollout_caches(model: object) -> None:
         cache.clear()
 
 
-class RolloutProposer(PromptLookupProposer):
-    """For every row, the tokens its stream's earlier response holds from the row's position on.
+class RolloutSource(ModelFreeSource):
+    """For one row at a time, the tokens its stream's earlier response holds from the row's position on.
 
-    Proposed deterministically (`Proposal.probs` is `None`) and verified by equality with the target's perturbed
-    argmax (or its argmax, in greedy decoding): a stale response (another model, another prompt, another seed) costs
-    verify width, never a wrong token. Finished rows store their responses in the cache; in a data-parallel run of
-    several processes every rank stores every rank's responses at the end of the call (a prompt's group may land on
-    another rank next epoch), so every rank must generate together, as TRL's trainers do.
+    Proposed deterministically and verified by equality with the target's perturbed argmax (or its argmax, in greedy
+    decoding): a stale response (another model, another prompt, another seed) costs verify width, never a wrong token.
+    Finished rows store their responses in the cache; with `across_ranks`, in a data-parallel run of several processes
+    every rank stores every rank's responses when the call closes (a prompt's group may land on another rank next
+    epoch), so every rank must generate together, as TRL's trainers do.
     """
+
+    def __init__(
+        self,
+        cache: RolloutCache,
+        stream_of: Callable[[Hashable, list[int]], int],
+        keying: str = "context",
+        across_ranks: bool = False,
+    ) -> None:
+        """
+        Args:
+            cache: the target model's rollout cache.
+            stream_of: a row's stream (`hf_dynspec.coupling`) from the row and its prompt.
+            keying: the keys of coupled sampling's noise (`DynSpecConfig.coupling_keys`), which align a row with its
+                earlier response.
+            across_ranks: share the call's responses with the other ranks of a data-parallel run (not with the ranks of
+                a tensor-parallel target, which decode the same rows).
+        """
+        self.cache, self.stream_of, self.keying, self.across_ranks = cache, stream_of, keying, across_ranks
+        self._rows: dict[Hashable, _Row] = {}
+        self._stored: list[tuple[int, list[int]]] = []  # this call's (stream, response), to share across ranks
+        self.found_rows = 0  # rows of the call (since the last `close`) whose stream had an earlier response
+        self._closed = False
+
+    def start(self, row: Hashable, prompt: torch.LongTensor) -> None:
+        if self._closed:  # a new call
+            self.found_rows, self._closed = 0, False
+        tokens = prompt.tolist()
+        stream = self.stream_of(row, tokens)
+        earlier = self.cache.get(stream)
+        found = None if earlier is None else EarlierResponse.of(tokens, earlier, self.keying)
+        self._rows[row] = _Row(stream, len(tokens), found, RowKeys(tokens, self.keying))
+        self.found_rows += found is not None
+
+    def offer(self, row: Hashable, tokens: torch.LongTensor, max_tokens: int) -> Offer:
+        state = self._rows[row]
+        if state.earlier is None:
+            return Offer()
+        own = tokens[state.prompt_length :]  # [generated]
+        state.keys.extend(own[state.keys.length :].tolist())
+        found, anchor = state.earlier.offer(state.keys.along()[0], own, max_tokens, state.prompt_length)
+        return Offer(found, min(anchor, MAX_ANCHOR))
+
+    def finish(self, row: Hashable, tokens: torch.LongTensor | None) -> None:
+        state = self._rows.pop(row, None)
+        if state is None or tokens is None:
+            return
+        response = tokens[state.prompt_length :]
+        self.cache.store(state.stream, response)
+        if self.across_ranks:
+            self._stored.append((state.stream, response.tolist()))
+
+    def close(self) -> None:
+        """Drop the rows still open; in a data-parallel run, store the other ranks' responses too."""
+        self._rows.clear()
+        self._closed = True
+        stored, self._stored = self._stored, []
+        if not self.across_ranks:
+            return
+        gathered = gather_from_ranks(stored)
+        for rank_items in gathered if len(gathered) > 1 else []:
+            for stream, response in rank_items:
+                self.cache.store(stream, torch.tensor(response, dtype=torch.long))
+
+
+@dataclass
+class _Row:
+    """A row as the rollout source follows it."""
+
+    stream: int
+    prompt_length: int
+    earlier: EarlierResponse | None  # its stream's earlier response
+    keys: RowKeys  # its tokens' keys so far
+
+
+class RolloutProposer(ModelFreeProposer):
+    """The rollout cache's proposals for every row of a batch (`RolloutSource`), each row's stream given by its index
+    in the batch `generate` received."""
 
     def __init__(
         self,
@@ -163,98 +239,12 @@ class RolloutProposer(PromptLookupProposer):
         Args:
             cache: the target model's rollout cache.
             streams: `[rows]` the stream of each row of the batch `generate` received (`coupling.stream_keys`).
-            across_ranks: share the call's responses with the other ranks of a data-parallel run (not with the ranks of
-                a tensor-parallel target, which decode the same rows).
-            keying: the keys of coupled sampling's noise (`DynSpecConfig.coupling_keys`), which align a row with its
-                earlier response.
+            across_ranks, keying: as `RolloutSource`'s.
         """
-        super().__init__(num_output_tokens=num_output_tokens)
-        self.cache = cache
-        self.across_ranks = across_ranks
-        self.keying = keying
-        self._stored: list[tuple[int, list[int]]] = []  # this call's (stream, response), to share across ranks
-        self.streams = streams.cpu().tolist()
-        self._earlier: list[EarlierResponse | None] = []  # per row id: its stream's earlier response
-        self._keys: list[RowKeys] = []  # per row id: its tokens' keys so far
-        self._offer: tuple[list[torch.LongTensor], torch.LongTensor] | None = None  # this step's `free_lengths`
-
-    def start(self, batch: TokenBatch) -> None:
-        super().start(batch)
-        host = batch.host
-        prompts = [host.tokens[row, batch.prompt_width - int(host.num_prompt[row]) : batch.prompt_width].tolist()
-                   for row in range(batch.batch_size)]  # the rows of the call, in row id order
-        self._keys = [RowKeys(prompt, self.keying) for prompt in prompts]
-        self._earlier = [
-            None if earlier is None else EarlierResponse.of(prompt, earlier, self.keying)
-            for prompt, earlier in zip(prompts, (self.cache.get(stream) for stream in self.streams))
-        ]
-        self._stored = []
+        by_row = streams.cpu().tolist()
+        source = RolloutSource(cache, lambda row, prompt: by_row[row], keying, across_ranks)
+        super().__init__(source, num_output_tokens)
 
     @property
-    def found_rows(self) -> int:
-        """Rows of the call whose stream had an earlier response."""
-        return sum(earlier is not None for earlier in self._earlier)
-
-    def finish_rows(self, batch: TokenBatch, done: torch.LongTensor) -> None:
-        for row in done.tolist():
-            response = batch.tokens[row, batch.prompt_width : batch.prompt_width + int(batch.num_generated[row])]
-            self.cache.store(self.streams[int(batch.row_ids[row])], response)
-            self._stored.append((self.streams[int(batch.row_ids[row])], response.tolist()))
-
-    def release(self) -> None:
-        """At the end of the call: store the other ranks' responses too (data-parallel runs)."""
-        if not self.across_ranks:
-            return
-        gathered = gather_from_ranks(self._stored)
-        for rank_items in gathered if len(gathered) > 1 else []:
-            for stream, response in rank_items:
-                self.cache.store(stream, torch.tensor(response, dtype=torch.long))
-        self._stored = []
-
-    # ---- proposals ---------------------------------------------------------------------------------------------------
-    def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
-        full = torch.full((batch.batch_size,), max_length, dtype=torch.long, device=batch.tokens.device)
-        self._offer = self.matches(batch, full)
-        return torch.tensor([f.shape[0] for f in self._offer[0]], dtype=torch.long, device=batch.tokens.device)
-
-    def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
-        if self._offer is None or self._offer[1].shape[0] != batch.batch_size:
-            raise RuntimeError("`free_anchors` describes the continuations of `free_lengths`: call that first.")
-        return self._offer[1]
-
-    def matches(
-        self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
-    ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-        """Each row's continuation of its earlier response (`[found]`, up to `lengths[b]` tokens) and its `[batch]`
-        anchor: how many of the row's final tokens equal the earlier response's before the continuation (its prompt
-        counts while the whole response so far repeats the earlier one), capped at `max_anchor` when it is set."""
-        lengths = lengths.clamp(max=self.num_output_tokens)
-        found, anchors = [], []
-        host = batch.host
-        for row in range(batch.batch_size):
-            row_id, generated = int(host.row_ids[row]), int(host.num_generated[row])
-            earlier, keys = self._earlier[row_id], self._keys[row_id]
-            if earlier is None or int(lengths[row]) <= 0:
-                found.append(batch.tokens.new_zeros(0))
-                anchors.append(0)
-                continue
-            own = host.tokens[row, batch.prompt_width : batch.prompt_width + generated]  # [generated]
-            keys.extend(own[keys.length :].tolist())
-            continuation, anchor = earlier.offer(keys.along()[0], own, int(lengths[row]), int(host.num_prompt[row]))
-            found.append(continuation.to(batch.tokens.device))
-            anchors.append(min(anchor, max_anchor) if max_anchor else anchor)
-        return found, torch.tensor(anchors, dtype=torch.long, device=batch.tokens.device)
-
-    def propose(
-        self,
-        batch: TokenBatch,
-        lengths: torch.LongTensor,
-        early_stop: EarlyStop | None = None,
-        free_rows: torch.BoolTensor | None = None,
-        node_budgets: torch.LongTensor | None = None,
-    ) -> Proposal:
-        offer, self._offer = self._offer, None
-        self.last_free_rows = lengths > 0
-        if offer is None or len(offer[0]) != batch.batch_size:
-            return self.proposal(batch, self.continuations(batch, lengths))
-        return self.proposal(batch, [f[: int(n)] for f, n in zip(offer[0], lengths)])
+    def cache(self) -> RolloutCache:
+        return self.source.cache

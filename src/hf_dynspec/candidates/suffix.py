@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..sequences import TokenBatch
-from .base import EarlyStop, Proposal, tree_proposal
-from .prompt_lookup import PromptLookupProposer
-from .tree import TokenTree
+from .free import MAX_ANCHOR, ModelFreeProposer, ModelFreeSource, Offer
 
 if TYPE_CHECKING:
     from ..config import DynSpecConfig
@@ -154,119 +151,73 @@ def clear_suffix_caches(model: object) -> None:
         cache.clear()
 
 
-class SuffixProposer(PromptLookupProposer):
-    """Suffix speculation for every row of a batch: chains (prompt lookup's interface, so `HybridProposer` takes it
-    where it takes prompt lookup), or token trees under `node_budgets`.
+class SuffixSource(ModelFreeSource):
+    """Suffix trees for one row at a time: each row's prompt, and every row's output as it is written, so concurrent
+    rows see each other's outputs and later ones find earlier ones. A row's anchor is its match length."""
 
-    Proposed deterministically (`Proposal.probs` is `None`): the sampling verifier treats every token as a fixed
-    proposal, so sampling stays exact. A row's anchor (`free_anchors`) is its match length.
-    """
+    says_confidence = True
 
-    def __init__(self, cache: SuffixCache, num_output_tokens: int = 10) -> None:
-        super().__init__(num_output_tokens=num_output_tokens)
+    def __init__(self, cache: SuffixCache) -> None:
         self.cache = cache
-        self._requests: list[int] = []  # the cache's request id of each active row
-        self._written: list[int] = []  # tokens of each active row the cache has
-        self._offer: tuple[list[torch.LongTensor], torch.LongTensor] | None = None  # this step's `free_lengths`
-        self._confidence: torch.Tensor | None = None  # [batch] of the last `matches`
+        self._requests: dict[Hashable, int] = {}  # row -> the cache's id of it
+        self._written: dict[Hashable, int] = {}  # row -> its tokens the cache has
 
-    # ---- the call's requests -----------------------------------------------------------------------------------------
-    def start(self, batch: TokenBatch) -> None:
-        super().start(batch)
-        self.release()
-        rows = [batch.host_real_tokens(row) for row in range(batch.batch_size)]
-        self._requests = [self.cache.start(tokens.tolist()) for tokens in rows]
-        self._written = [int(tokens.shape[0]) for tokens in rows]
+    def start(self, row: Hashable, prompt: torch.LongTensor) -> None:
+        self._requests[row] = self.cache.start(prompt.tolist())
+        self._written[row] = int(prompt.shape[0])
 
-    def finish_rows(self, batch: TokenBatch, done: torch.LongTensor) -> None:
-        self._write(batch, done.tolist())
-        for row in done.tolist():
-            self.cache.stop(self._requests[row])
+    def offer(self, row: Hashable, tokens: torch.LongTensor, max_tokens: int) -> Offer:
+        draft = self._speculate(row, tokens, max_tokens, tree=False)
+        if draft is None:
+            return Offer(confidence=1.0)
+        found = torch.tensor(draft.token_ids, dtype=torch.long)
+        return Offer(found, min(int(draft.match_len), MAX_ANCHOR), chain_confidence(draft.probs))
 
-    def select_rows(self, keep: torch.LongTensor) -> None:
-        self._requests = [self._requests[row] for row in keep.tolist()]
-        self._written = [self._written[row] for row in keep.tolist()]
+    def tree(self, row: Hashable, tokens: torch.LongTensor, depth: int, budget: int) -> tuple[list[int], list[int]]:
+        draft = self._speculate(row, tokens, budget, tree=True)
+        if draft is None:
+            return [], []
+        nodes, parents = cut_tree(draft.token_ids, draft.parents, depth)
+        return nodes, [parent + 1 for parent in parents]  # node 0 is the root, the row's newest token
 
-    def release(self) -> None:
-        for request in self._requests:
+    def finish(self, row: Hashable, tokens: torch.LongTensor | None) -> None:
+        if row not in self._requests:
+            return
+        if tokens is not None:
+            self._write(row, tokens)
+        self.cache.stop(self._requests.pop(row))
+        self._written.pop(row)
+
+    def close(self) -> None:
+        for request in self._requests.values():
             self.cache.stop(request)
-        self._requests, self._written = [], []
+        self._requests.clear()
+        self._written.clear()
 
-    def _write(self, batch: TokenBatch, rows: Sequence[int]) -> None:
-        """Hand the cache each row's tokens it has not seen yet."""
-        for row in rows:
-            tokens = batch.host_real_tokens(row)
-            if tokens.shape[0] > self._written[row]:
-                self.cache.extend(self._requests[row], tokens[self._written[row] :].tolist())
-                self._written[row] = int(tokens.shape[0])
-
-    # ---- proposals ---------------------------------------------------------------------------------------------------
-    def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
-        full = torch.full((batch.batch_size,), max_length, dtype=torch.long)
-        self._offer = self.matches(batch, full)
-        return torch.tensor([f.shape[0] for f in self._offer[0]], dtype=torch.long)  # on the host
-
-    def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
-        if self._offer is None or self._offer[1].shape[0] != batch.batch_size:
-            raise RuntimeError("`free_anchors` describes the continuations of `free_lengths`: call that first.")
-        return self._offer[1]
-
-    def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
-        return self.match_confidence()
-
-    def match_confidence(self) -> torch.Tensor | None:
-        return self._confidence
-
-    def matches(
-        self, batch: TokenBatch, lengths: torch.LongTensor, max_anchor: int = 0
-    ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-        """Each row's suffix-tree chain (`[found]`, up to `lengths[b]` tokens) and its `[batch]` match lengths, on the
-        host."""
-        self._write(batch, range(batch.batch_size))
-        lengths = lengths.clamp(max=self.num_output_tokens)
-        found, anchors, confidence = [], [], []
-        for row in range(batch.batch_size):
-            draft = self._speculate(batch, row, int(lengths[row]), tree=False)
-            found.append(torch.tensor(draft.token_ids if draft else [], dtype=torch.long))
-            anchor = draft.match_len if draft else 0
-            anchors.append(min(anchor, max_anchor) if max_anchor else anchor)
-            confidence.append(chain_confidence(draft.probs) if draft else 1.0)
-        self._confidence = torch.tensor(confidence, dtype=torch.float64)
-        return found, torch.tensor(anchors, dtype=torch.long)
-
-    def propose(
-        self,
-        batch: TokenBatch,
-        lengths: torch.LongTensor,
-        early_stop: EarlyStop | None = None,
-        free_rows: torch.BoolTensor | None = None,
-        node_budgets: torch.LongTensor | None = None,
-    ) -> Proposal:
-        offer, self._offer = self._offer, None
-        self.last_free_rows = lengths > 0
-        if node_budgets is not None:
-            return self._tree_proposal(batch, lengths.clamp(max=self.num_output_tokens), node_budgets)
-        if offer is None or len(offer[0]) != batch.batch_size:
-            return self.proposal(batch, self.continuations(batch, lengths))
-        return self.proposal(batch, [f[: int(n)] for f, n in zip(offer[0], lengths)])
-
-    def _tree_proposal(self, batch: TokenBatch, depths: torch.LongTensor, budgets: torch.LongTensor) -> Proposal:
-        """Each row's suffix tree of at most `budgets[b]` nodes, cut at depth `depths[b]`."""
-        self._write(batch, range(batch.batch_size))
-        tokens, parents = [], []
-        roots = batch.host_last_tokens().tolist()  # [batch] each row's newest token, its tree's root
-        for row in range(batch.batch_size):
-            draft = self._speculate(batch, row, int(budgets[row]), tree=True) if int(depths[row]) > 0 else None
-            row_tokens, row_parents = cut_tree(draft.token_ids, draft.parents, int(depths[row])) if draft else ([], [])
-            tokens.append([roots[row]] + row_tokens)
-            parents.append([-1] + [parent + 1 for parent in row_parents])  # node 0 is the root
-        return tree_proposal(TokenTree.from_parent_lists(tokens, parents, batch.pad_id), batch.tokens.device)
-
-    def _speculate(self, batch: TokenBatch, row: int, max_tokens: int, tree: bool):
+    def _speculate(self, row: Hashable, tokens: torch.LongTensor, max_tokens: int, tree: bool):
         if max_tokens <= 0:
             return None
-        context = batch.host_real_tokens(row)[-self.cache.settings.max_depth :].tolist()
+        self._write(row, tokens)
+        context = tokens[-self.cache.settings.max_depth :].tolist()
         return self.cache.speculate(self._requests[row], context, max_tokens, tree)
+
+    def _write(self, row: Hashable, tokens: torch.LongTensor) -> None:
+        """Hand the cache the row's tokens it has not seen yet."""
+        written = self._written[row]
+        if tokens.shape[0] > written:
+            self.cache.extend(self._requests[row], tokens[written:].tolist())
+            self._written[row] = int(tokens.shape[0])
+
+
+class SuffixProposer(ModelFreeProposer):
+    """Suffix speculation for every row of a batch (`SuffixSource`): chains, or token trees under `node_budgets`."""
+
+    def __init__(self, cache: SuffixCache, num_output_tokens: int = 10) -> None:
+        super().__init__(SuffixSource(cache), num_output_tokens)
+
+    @property
+    def cache(self) -> SuffixCache:
+        return self.source.cache
 
 
 def chain_confidence(probs: Sequence[float]) -> float:

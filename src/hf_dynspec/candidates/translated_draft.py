@@ -14,7 +14,7 @@ from ..devices import cuda_devices
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import MAX_INLINE_TAIL
-from .prompt_lookup import PromptLookupProposer
+from .free import proposal_of
 
 
 class TranslatedDraftProposer(BatchedProposer):
@@ -89,7 +89,7 @@ class TranslatedDraftProposer(BatchedProposer):
         finally:
             for hook in hooks:
                 hook.remove()
-        return PromptLookupProposer.proposal(batch, found)
+        return proposal_of(batch, found)
 
     def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
         """A row that drafted has its tokens before the step (`batch` is not yet updated) and its accepted draft tokens

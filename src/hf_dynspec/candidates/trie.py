@@ -18,9 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sequences import TokenBatch
-from .base import EarlyStop, Proposal, tree_proposal
-from .prompt_lookup import PromptLookupProposer
 from .tree import TokenTree
 
 
@@ -118,26 +115,3 @@ def prompt_lookup_tree(
     tries = [lookup_trie(row, max_ngram, min_ngram, budget, max_depth) for row in rows]
     tree = TokenTree.from_parent_lists([t for t, _ in tries], [p for _, p in tries], placeholder)
     return TokenTree(*(tensor.to(rows[0].device) for tensor in (tree.tokens, tree.parents, tree.depths, tree.valid)))
-
-
-class LookupTreeProposer(PromptLookupProposer):
-    """Prompt-lookup tries for every row of a batch: `lengths` cap each row's depth, `node_budgets` its draft nodes
-    (the depth when not given). Proposed deterministically (`Proposal.probs` is `None`): every child is a fixed
-    proposal for the sampling verifier."""
-
-    def propose(
-        self,
-        batch: TokenBatch,
-        lengths: torch.LongTensor,
-        early_stop: EarlyStop | None = None,
-        free_rows: torch.BoolTensor | None = None,
-        node_budgets: torch.LongTensor | None = None,
-    ) -> Proposal:
-        lengths = lengths.clamp(max=self.num_output_tokens)
-        budgets = lengths if node_budgets is None else node_budgets.to("cpu", copy=True)  # depth 0: root only; on the host
-        tries = [
-            lookup_trie(batch.host_real_tokens(row), self.max_ngram, self.min_ngram, int(budgets[row]), int(lengths[row]))
-            for row in range(batch.batch_size)
-        ]
-        tree = TokenTree.from_parent_lists([t for t, _ in tries], [p for _, p in tries], batch.pad_id)
-        return tree_proposal(tree, batch.tokens.device)
