@@ -15,17 +15,18 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProce
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 import hf_dynspec
-from hf_dynspec import DynSpecConfig, continuous
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.free import ModelFreeSource, Offer
+from hf_dynspec.candidates.prompt_lookup import LookupSource
 from hf_dynspec.candidates.suffix import clear_suffix_caches
 from hf_dynspec.continuous import (
-    DraftModelRequests,
     DraftRequest,
-    LookupRequests,
     ModelFreeRequests,
+    PagedDraftRequests,
     SpeculativeManager,
     Speculator,
-    SuffixRequests,
-    _chain_and_alternatives,
+    batch_processor,
+    chain_and_alternatives,
 )
 from hf_dynspec.policies.static import StaticPolicy
 
@@ -177,8 +178,10 @@ def test_token_trees_match_plain_generate_batch(
     if "draft" in proposer:
         kwargs = {"assistant_model": perturbed(model, scale=0.3, seed=3)}
     moved = []
-    copy = continuous._copy_positions
-    monkeypatch.setattr(continuous, "_copy_positions", lambda cache, moves: moved.extend(moves) or copy(cache, moves))
+    copy = batch_processor._copy_positions
+    monkeypatch.setattr(
+        batch_processor, "_copy_positions", lambda cache, moves: moved.extend(moves) or copy(cache, moves)
+    )
     spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer="suffix" if "suffix" in proposer else "auto",
                          tree_node_budget=nodes)
     manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
@@ -197,26 +200,26 @@ def test_token_trees_match_plain_generate_batch(
 
 
 def test_a_draft_tree_is_the_chain_and_its_most_valuable_alternatives():
-    """`_chain_and_alternatives`: the chain first (each node the child of the one before), then the other tokens of
+    """`chain_and_alternatives`: the chain first (each node the child of the one before), then the other tokens of
     each depth as children of the chain's node above, the most valuable paths within the budget, parents first."""
     log = math.log
     depths = [([5, 6, 7], [log(0.6), log(0.3), log(0.1)]), ([8, 9, 2], [log(0.9), log(0.05), log(0.05)])]
-    assert _chain_and_alternatives(depths, 2, 0.0) == ([5, 8], [0, 1])
+    assert chain_and_alternatives(depths, 2, 0.0) == ([5, 8], [0, 1])
     # alternatives: 6 at depth 1 (0.3), 7 (0.1), then 9 and 2 below 5 (0.6 x 0.05 = 0.03 each)
-    assert _chain_and_alternatives(depths, 4, 0.0) == ([5, 8, 6, 7], [0, 1, 0, 0])
-    assert _chain_and_alternatives(depths, 9, 0.0) == ([5, 8, 6, 7, 9, 2], [0, 1, 0, 0, 1, 1])
-    assert _chain_and_alternatives(depths, 9, 0.2) == ([5, 8, 6], [0, 1, 0])  # paths below the floor stay out
-    assert _chain_and_alternatives([], 4, 0.0) == ([], [])
+    assert chain_and_alternatives(depths, 4, 0.0) == ([5, 8, 6, 7], [0, 1, 0, 0])
+    assert chain_and_alternatives(depths, 9, 0.0) == ([5, 8, 6, 7, 9, 2], [0, 1, 0, 0, 1, 1])
+    assert chain_and_alternatives(depths, 9, 0.2) == ([5, 8, 6], [0, 1, 0])  # paths below the floor stay out
+    assert chain_and_alternatives([], 4, 0.0) == ([], [])
 
 
 def test_a_draft_model_tree_costs_the_forwards_of_its_chain():
-    """`DraftModelRequests.trees`: its chain is the draft's chain (`drafts`), its other nodes the draft's runner-up
+    """`PagedDraftRequests.trees`: its chain is the draft's chain (`drafts`), its other nodes the draft's runner-up
     tokens at each depth, and it runs as many draft forwards as the chain."""
     draft = tiny_model("llama", seed=4)
     prompts = repetitive_prompts([7, 11], seed=2)
     manager = speculating(tiny_model("llama", seed=0), assistant_model=draft, generation_config=greedy(8), cb=cb_config())
     manager.stop(block=True)
-    proposer = DraftModelRequests(draft, branching=3)
+    proposer = PagedDraftRequests(draft, branching=3)
     proposer.open(manager)
     calls = []
     forward = proposer._packed_forward
@@ -239,9 +242,9 @@ def test_a_draft_model_tree_costs_the_forwards_of_its_chain():
 
 
 def test_a_lookup_tree_holds_every_continuation_of_the_final_ngram():
-    """`LookupRequests.trees`: the continuations of both earlier occurrences of the request's last token, branching
+    """Prompt lookup's trees per request: the continuations of both earlier occurrences of the request's last token, branching
     under the root, cut to the depth and node budget; parents before children (0: the newest token)."""
-    lookup = LookupRequests(max_ngram=2, min_ngram=1)
+    lookup = ModelFreeRequests(LookupSource(max_ngram=2, min_ngram=1))
     request = DraftRequest("r", [5, 6, 7, 9, 5, 8, 7, 9, 3, 5], cap=4)
     assert lookup.trees([request], [2], [8]) == [([8, 7, 6, 7], [0, 1, 0, 3])]  # 5-8-7 (latest first), 5-6-7
     assert lookup.trees([request, request], [1, 0], [8, 8]) == [([8, 6], [0, 0]), ([], [])]
@@ -249,34 +252,29 @@ def test_a_lookup_tree_holds_every_continuation_of_the_final_ngram():
     assert len(tokens) == 3 and all(parent <= node for node, parent in enumerate(parents))
 
 
-class SecondBranchTrees(ModelFreeRequests):
+class SecondBranchTrees(ModelFreeSource):
     """Token trees whose first branch is wrong and whose second is plain decoding's continuation (`outputs`, by
     prompt): every accepted node sits away from its path's position, so its keys and values must be moved."""
 
     def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab: int) -> None:
-        super().__init__()
         self.outputs, self.vocab = outputs, vocab
 
-    def _continuation(self, tokens: list[int]) -> list[int]:
+    def _continuation(self, tokens: torch.LongTensor) -> list[int]:
         for prompt, output in self.outputs.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
+            if tuple(tokens[: len(prompt)].tolist()) == prompt:
                 return output[len(tokens) - len(prompt) :]
         raise AssertionError("unknown request")
 
-    def offer(self, request_id: str, tokens: list[int], max_tokens: int) -> tuple[list[int], int, None]:
-        return self._continuation(tokens)[:max_tokens], 1, None
+    def offer(self, row: str, tokens: torch.LongTensor, max_tokens: int) -> Offer:
+        return Offer(torch.tensor(self._continuation(tokens)[:max_tokens], dtype=torch.long), 1)
 
-    def trees(self, requests: list[DraftRequest], depths: list[int], budgets: list[int], free_rows=None):
-        trees = []
-        for request, depth in zip(requests, depths):
-            truth = self._continuation(request.tokens)[:depth]
-            if not truth:
-                trees.append(([], []))
-                continue
-            wrong = [(truth[0] + 1 + j) % self.vocab for j in range(len(truth))]
-            parents = list(range(len(truth))) + [0] + list(range(len(truth) + 1, 2 * len(truth)))
-            trees.append((wrong + truth, parents))
-        return trees
+    def tree(self, row: str, tokens: torch.LongTensor, depth: int, budget: int) -> tuple[list[int], list[int]]:
+        truth = self._continuation(tokens)[:depth]
+        if not truth:
+            return [], []
+        wrong = [(truth[0] + 1 + j) % self.vocab for j in range(len(truth))]
+        parents = list(range(len(truth))) + [0] + list(range(len(truth) + 1, 2 * len(truth)))
+        return wrong + truth, parents
 
 
 def test_an_accepted_second_branch_moves_its_keys_and_values():
@@ -288,7 +286,7 @@ def test_an_accepted_second_branch_moves_its_keys_and_values():
     config = greedy(30, eos_token_id=None)
     plain = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(4))
     outputs = {tuple(p): o.generated_tokens for p, o in zip(prompts, plain.values())}
-    proposer = SecondBranchTrees(outputs, model.config.vocab_size)
+    proposer = ModelFreeRequests(SecondBranchTrees(outputs, model.config.vocab_size))
     speculator = Speculator(model, proposer, StaticPolicy(3), max_draft_tokens=3, max_tree_nodes=6)
     manager = SpeculativeManager(model, config, cb_config(4), speculator=speculator)
     manager.start()
@@ -532,7 +530,7 @@ def test_a_bound_draft_speculates_in_the_models_own_generate_batch():
         got = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(),
                                    persistent_manager=True)
         manager = model._cached_continuous_batching_manager
-        assert isinstance(manager.speculator.proposer, DraftModelRequests)
+        assert isinstance(manager.speculator.proposer, PagedDraftRequests)
         assert manager.speculation.accepted_tokens > 0
         model.destroy_cached_continuous_batching_manager()
     finally:
@@ -542,18 +540,18 @@ def test_a_bound_draft_speculates_in_the_models_own_generate_batch():
 
 def test_suffix_hints_say_how_sure_each_offer_is():
     """The policy sees each request's suffix offer, its match length and how sure it is, as in `generate`."""
-    from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings
+    from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings, SuffixSource
 
     cache = SuffixCache(SuffixSettings(min_token_probability=0.0, max_spec_factor=4.0))
     for ending in ([14, 16], [14, 16], [15, 18]):
         request = cache.start([])
         cache.extend(request, [11, 12, 13, *ending])
         cache.stop(request)
-    proposer = SuffixRequests(cache)
+    proposer = ModelFreeRequests(SuffixSource(cache))
     proposer.start("a", [20, 11, 12, 13])
     hints = proposer.hints([DraftRequest("a", [20, 11, 12, 13], 2)])
     assert hints["free_lengths"].tolist() == [2] and hints["free_anchors"].tolist() == [3]
     assert hints["free_confidence"].tolist() == pytest.approx([(2 / 3) ** 0.5])
     assert proposer.drafts([DraftRequest("a", [20, 11, 12, 13], 2)], [1]) == [[14]]
     proposer.finish("a", None)
-    assert "free_confidence" not in LookupRequests(3, 1).hints([DraftRequest("b", [5, 6, 5], 2)])
+    assert "free_confidence" not in ModelFreeRequests(LookupSource(3, 1)).hints([DraftRequest("b", [5, 6, 5], 2)])
