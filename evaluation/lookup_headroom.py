@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from hf_dynspec.calibration import parse_int_list
 from hf_dynspec.candidates.suffix import SuffixSettings
-from hf_dynspec.estimators import Profile, ProfileCostModel
+from hf_dynspec.cost_models import Profile, ProfileCostModel
 from hf_dynspec.evaluation.headroom import (
     GreedyTrace,
     OracleCosts,

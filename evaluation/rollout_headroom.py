@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings
-from hf_dynspec.estimators import Profile
+from hf_dynspec.cost_models import Profile
 from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
 from hf_dynspec.evaluation.headroom import GreedyTrace, OracleCosts, copy_matches, fastest_schedule
 from hf_dynspec.evaluation.rollout import forward_seconds, matched_seconds

@@ -18,7 +18,7 @@ from hf_dynspec.calibration import (
 )
 from hf_dynspec.cli import main
 from hf_dynspec.clocks import time_call
-from hf_dynspec.estimators import DraftTiming, Profile, ProfileCostModel, TargetTiming
+from hf_dynspec.cost_models import DraftTiming, Profile, ProfileCostModel, TargetTiming
 from hf_dynspec.evaluation.tiny import tiny_pair
 from hf_dynspec.policies import BatchTablePolicy, PolicyInput, build_policy
 

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dynspec.estimators import (
-    AcceptanceEstimator,
+from hf_dynspec.cost_models import (
     DraftTiming,
     OnlineCostModel,
     PaddedCostModel,
@@ -17,9 +16,9 @@ from hf_dynspec.estimators import (
     Profile,
     ProfileCostModel,
     TargetTiming,
-    expected_tokens,
     isotonic_increasing,
 )
+from hf_dynspec.estimators import AcceptanceEstimator, expected_tokens
 from hf_dynspec.policies import GoodputPolicy, GoodputSettings, PolicyInput, StepFeedback, best_draft_lengths
 
 

@@ -382,7 +382,7 @@ def test_command_runs_tiny_and_writes_files(tmp_path, capsys):
 
 # ---- batch tables ---------------------------------------------------------------------------------------------------
 def test_table_options_from_a_vllm_config_or_a_profile(tmp_path):
-    from hf_dynspec.estimators import DraftTiming, Profile, TargetTiming
+    from hf_dynspec.cost_models import DraftTiming, Profile, TargetTiming
     from hf_dynspec.policies import build_policy
 
     table = {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 64, 1]]}

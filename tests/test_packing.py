@@ -10,7 +10,7 @@ from conftest import left_padded_prompts, perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.estimators import PaddedCostModel, PiecewiseLinear
+from hf_dynspec.cost_models import PaddedCostModel, PiecewiseLinear
 from hf_dynspec.packing import can_pack
 from hf_dynspec.policies import DraftLengthPolicy, PolicyInput
 
@@ -78,7 +78,7 @@ def test_the_cost_model_prices_packed_steps_by_their_real_tokens():
 
 
 def test_every_cost_model_the_policy_derives_keeps_the_packing():
-    from hf_dynspec.estimators import OnlineCostModel
+    from hf_dynspec.cost_models import OnlineCostModel
     from hf_dynspec.policies.goodput import _verify_only
 
     model = OnlineCostModel()

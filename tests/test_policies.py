@@ -13,17 +13,8 @@ import pytest
 import torch
 
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.estimators import (
-    AcceptanceEstimator,
-    ConfidenceScale,
-    DraftTiming,
-    PaddedCostModel,
-    PiecewiseLinear,
-    Profile,
-    StepCostModel,
-    TargetTiming,
-    expected_tokens,
-)
+from hf_dynspec.cost_models import DraftTiming, PaddedCostModel, PiecewiseLinear, Profile, StepCostModel, TargetTiming
+from hf_dynspec.estimators import AcceptanceEstimator, ConfidenceScale, expected_tokens
 from hf_dynspec.policies import (
     BatchTablePolicy,
     ConfidencePolicy,

@@ -8,7 +8,7 @@ from conftest import perturbed, tiny_model
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.estimators import DraftTiming, OnlineCostModel, Profile, ProfileCostModel, TargetTiming
+from hf_dynspec.cost_models import DraftTiming, OnlineCostModel, Profile, ProfileCostModel, TargetTiming
 from hf_dynspec.policies import GoodputPolicy, GoodputSettings
 
 PAD, VOCAB, NEW_TOKENS = 0, 100, 24

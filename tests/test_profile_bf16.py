@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_dynspec.estimators import Profile, ProfileCostModel
+from hf_dynspec.cost_models import Profile, ProfileCostModel
 from hf_dynspec.policies import best_draft_lengths
 
 PROFILE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "profile_bf16.json"

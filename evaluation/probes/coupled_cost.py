@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from hf_dynspec.candidates.tree import TokenTree
+from hf_dynspec.cost_models import Profile, ProfileCostModel
 from hf_dynspec.coupling import coupled_choice
-from hf_dynspec.estimators import Profile, ProfileCostModel
 from hf_dynspec.verification import verify_tree_sampling, verify_tree_tokens
 
 VOCAB = 151936

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from hf_dynspec.calibration import _CachedForward
 from hf_dynspec.clocks import time_call
-from hf_dynspec.estimators import PiecewiseLinear
+from hf_dynspec.cost_models import PiecewiseLinear
 from hf_dynspec.evaluation.models import LoadOptions, load_model, resolve_model, split_variant
 
 

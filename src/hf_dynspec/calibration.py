@@ -26,8 +26,9 @@ from transformers import PreTrainedModel
 
 from .cache import cache_kwarg, loop_cache, sliding_windows
 from .clocks import time_call
+from .cost_models import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming
 from .devices import cuda_devices, input_device
-from .estimators import DraftTiming, PaddedCostModel, Profile, ProfileCostModel, TargetTiming, expected_tokens
+from .estimators import expected_tokens
 from .kernels import NARROW_LINEAR, LinearPlan, linear_plan, narrow_linear, narrow_rows, row_major_output
 from .policies.batch_table import BatchTablePolicy
 

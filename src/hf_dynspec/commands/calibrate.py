@@ -19,7 +19,7 @@ import sys
 import torch
 
 from ..calibration import CalibrationSettings, calibrate, parse_int_list, summarize, vllm_speculative_config
-from ..estimators import Profile
+from ..cost_models import Profile
 from ..evaluation.models import DTYPES, LoadOptions, split_variant
 from ..kernels import NARROW_LINEAR
 from .bench import add_model_options

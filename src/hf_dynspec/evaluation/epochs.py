@@ -310,7 +310,7 @@ def _width_cost(profile: str | None) -> Callable[[int, int], float]:
     """Cost of a verify forward over `tokens` target tokens at `rows` rows, relative to a one-token step at `rows`."""
     if profile is None:
         return lambda rows, tokens: 1.0
-    from ..estimators import Profile, ProfileCostModel
+    from ..cost_models import Profile, ProfileCostModel
 
     verify = ProfileCostModel(Profile.load(profile)).verify
     return lambda rows, tokens: float(verify(np.array([float(tokens)]))[0] / verify(np.array([float(rows)]))[0])

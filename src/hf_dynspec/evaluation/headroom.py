@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..candidates.prompt_lookup import lookup_continuation
-from ..estimators import PaddedCostModel
+from ..cost_models import PaddedCostModel
 
 RANKS = 8
 """How far down the draft's choices `greedy_traces` looks for the target's token."""

@@ -333,7 +333,7 @@ def table_policy_options(path: str | Path, acceptance: float = 0.7, num_speculat
     """`batch_table` policy options from a JSON file: a vLLM speculative config with a batch-size table, or a
     calibration profile (`hf-dynspec calibrate`), from which the table is derived for the given acceptance rate."""
     from ..calibration import vllm_speculative_config
-    from ..estimators import Profile
+    from ..cost_models import Profile
     from ..policies.batch_table import SCHEDULE_KEY
 
     path = Path(path)

@@ -26,18 +26,20 @@ import torch
 
 from ..budget import CatchupCost, LossBudget
 from ..candidates.draft_model import MAX_INLINE_TAIL
-from ..estimators import (
-    AcceptanceEstimator,
-    ConfidenceScale,
+from ..cost_models import (
     OnlineCostModel,
     PaddedCostModel,
     Profile,
     ProfileCostModel,
     StepCostModel,
+    draft_model_forwards,
+)
+from ..estimators import (
+    AcceptanceEstimator,
+    ConfidenceScale,
     check_int,
     check_open_unit,
     check_positive,
-    draft_model_forwards,
     expected_tokens,
 )
 from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
