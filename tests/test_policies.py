@@ -29,9 +29,9 @@ from hf_dynspec.policies import (
     best_draft_lengths,
     build_policy,
 )
-from hf_dynspec.policies import goodput as goodput_module
+from hf_dynspec.policies import search as search_module
 from hf_dynspec.policies.confidence import RATE_EDGES, ConfidenceStopper, acceptance_rates, best_threshold
-from hf_dynspec.policies.goodput import Candidates
+from hf_dynspec.policies.search import Candidates
 
 # The two speculative configs of vLLM's dynamic speculative decoding documentation, verbatim.
 VLLM_EAGLE = """{
@@ -860,7 +860,7 @@ def test_candidate_summaries_match_their_length_vectors() -> None:
 def test_search_by_summaries_equals_search_by_vectors(monkeypatch, chunk) -> None:
     """The built-in models price summaries; with vectors instead (in chunks of `chunk` entries) the choice is the same,
     ties included."""
-    monkeypatch.setattr(goodput_module, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(search_module, "CHUNK_ELEMENTS", chunk)
     model, generator = scale_cost_model(), torch.Generator().manual_seed(5)
     for trial in range(80):
         batch, max_k = 1 + (trial * 7) % 40, 1 + trial % 8

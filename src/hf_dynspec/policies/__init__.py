@@ -27,8 +27,10 @@ from ..config import DynSpecConfig
 from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, parameter_ratio
 from .batch_table import SCHEDULE_KEY, BatchTablePolicy
 from .confidence import ConfidencePolicy, ConfidenceSettings, ConfidenceStopper
-from .goodput import GoodputPolicy, GoodputSettings, best_draft_lengths
+from .goodput import GoodputPolicy
+from .goodput_settings import GoodputSettings
 from .heuristic import HeuristicPolicy
+from .search import best_draft_lengths
 from .static import StaticPolicy
 from .threshold import ThresholdPolicy
 

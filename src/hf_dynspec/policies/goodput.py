@@ -16,11 +16,6 @@ costs no draft forward; each source has its own acceptance estimate per row.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -29,273 +24,22 @@ from ..candidates.draft_model import MAX_INLINE_TAIL
 from ..cost_models import (
     OnlineCostModel,
     PaddedCostModel,
-    Profile,
-    ProfileCostModel,
     StepCostModel,
     draft_model_forwards,
 )
 from ..estimators import (
     AcceptanceEstimator,
     ConfidenceScale,
-    check_int,
-    check_open_unit,
-    check_positive,
     expected_tokens,
 )
 from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
-from .confidence import ConfidenceSettings, ConfidenceStopper
+from .goodput_settings import MARGINAL_STOP, GoodputSettings, build_cost_model, build_stopper
+from .search import best_draft_lengths
 
-COST_MODELS = ("online", "profile")
 MAX_PROBE_BACKOFF = 64
-MARGINAL_STOP = "marginal"
 MARGINAL_HORIZON = 8
 """The marginal stop weighs drafting up to this many more tokens, so a local step in the measured cost curve (a
 knot timed fast by chance, a tile boundary of the matrix kernels) does not end drafts that pay over a few tokens."""
-
-
-CHUNK_ELEMENTS = 1 << 21
-"""Length-vector entries a search for a cost model without `summary_seconds` materialises at once (16 MiB)."""
-
-
-@dataclass
-class Candidates:
-    """Every length vector the exact search has to price, described by its greedy prefix rather than its entries.
-
-    For each bound `K` on the longest draft, rows gain draft tokens greedily by marginal value: the `j`-th draft
-    token of row `i` adds `a_i^j` expected tokens, which shrinks with `j`, so the best vector with `T` draft tokens in
-    total and none longer than `K` is the `T`-item prefix of the items `(i, j <= min(K, cap_i))` sorted by `a_i^j`.
-    One stable sort over all items (depth-major, so equal values keep each row's items in depth order) serves every
-    `K`: a row's items appear in depth order, so after any prefix of the full order a row holds `min(count, K)` items
-    of depth at most `K`. Candidate `c` (after plain decoding, candidate 0) is the prefix ending on item `end[c]`
-    under bound `bound[c]`; its longest draft and draft-token total follow from the order alone, so a cost model that
-    needs only those (`StepCostModel.summary_seconds`) prices every candidate in time linear in the batch size.
-    """
-
-    batch: int
-    item_row: np.ndarray  # [items] row of each item, in the full order
-    bound: np.ndarray  # [candidates] K (0: plain decoding)
-    end: np.ndarray  # [candidates] last item of the prefix (-1: plain decoding)
-    longest: np.ndarray  # [candidates] longest draft
-    total: np.ndarray  # [candidates] draft tokens over all rows
-    tokens: np.ndarray  # [candidates] expected emitted tokens
-
-    @classmethod
-    def build(cls, acceptance: torch.Tensor, caps: torch.LongTensor, max_draft_tokens: int) -> Candidates:
-        """Args: `acceptance` `[batch]` estimates in `[0, 1]`, `caps` `[batch]` longest useful draft per row
-        (0 .. `max_draft_tokens`), `max_draft_tokens` the loop's maximum draft length."""
-        a = acceptance.detach().cpu().double().clamp(0.0, 1.0).numpy()
-        caps_np = caps.detach().cpu().numpy()
-        batch = a.shape[0]
-        longest = min(max_draft_tokens, int(caps_np.max()) if batch else 0)
-        depth = np.arange(1, max(longest, 0) + 1)  # [K]
-        gains = a[None, :] ** depth[:, None]  # [K, batch], depth-major
-        usable = (depth[:, None] <= caps_np[None, :]).reshape(-1)  # [K * batch]
-        order = np.argsort(-gains.reshape(-1)[usable], kind="stable")
-        item_gain = gains.reshape(-1)[usable][order]  # [items]
-        item_row = np.tile(np.arange(batch), len(depth))[usable][order]
-        item_depth = np.repeat(depth, batch)[usable][order]
-        within = item_depth[None, :] <= depth[:, None]  # [K, items] items allowed under bound K
-        tokens = batch + np.cumsum(within * item_gain[None, :], axis=1)  # [K, items]
-        totals = np.cumsum(within, axis=1)  # [K, items]
-        deepest = np.maximum.accumulate(item_depth) if item_depth.size else item_depth  # [items] deepest row so far
-        bound, end = np.nonzero(within)  # one candidate per (K, prefix ending on an allowed item)
-        first = np.zeros(1, dtype=np.int64)
-        return cls(
-            batch=batch,
-            item_row=item_row,
-            bound=np.concatenate([first, depth[bound]]),
-            end=np.concatenate([first - 1, end]),
-            longest=np.concatenate([first, np.minimum(deepest[end], depth[bound])]),
-            total=np.concatenate([first, totals[bound, end]]),
-            tokens=np.concatenate([np.full(1, float(batch)), tokens[bound, end]]),
-        )
-
-    def __len__(self) -> int:
-        return self.bound.shape[0]
-
-    def lengths(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """`[stop - start, batch]` the length vectors of candidates `start .. stop - 1`."""
-        bound, end = self.bound[start:stop], self.end[start:stop]
-        out = np.zeros((bound.shape[0], self.batch), dtype=np.int64)
-        held, counted = np.zeros(self.batch, dtype=np.int64), 0  # [batch] rows' items among the first `counted`
-        for last in np.unique(end[end >= 0]):  # ascending
-            held += np.bincount(self.item_row[counted : last + 1], minlength=self.batch)
-            counted = last + 1
-            chosen = end == last
-            out[chosen] = np.minimum(held[None, :], bound[chosen][:, None])
-        return out
-
-    def seconds(self, cost_model: StepCostModel) -> np.ndarray:
-        """`[candidates]` seconds of every candidate: from its summary when the model prices one, else from its
-        length vector, `CHUNK_ELEMENTS` entries at a time."""
-        summary = cost_model.summary_seconds(self.batch, self.longest, self.total)
-        if summary is not None:
-            return self._checked(cost_model, np.asarray(summary, dtype=np.float64), len(self))
-        step = max(1, CHUNK_ELEMENTS // max(1, self.batch))
-        parts = []
-        for start in range(0, len(self), step):
-            lengths = torch.from_numpy(self.lengths(start, start + step))
-            seconds = np.asarray(cost_model.candidate_seconds(self.batch, lengths), dtype=np.float64)
-            parts.append(self._checked(cost_model, seconds, lengths.shape[0]))
-        return np.concatenate(parts)
-
-    @staticmethod
-    def _checked(cost_model: StepCostModel, seconds: np.ndarray, count: int) -> np.ndarray:
-        if seconds.shape != (count,) or not np.isfinite(seconds).all() or (seconds <= 0).any():
-            raise ValueError(
-                f"{type(cost_model).__name__} must price {count} candidates with finite positive seconds, got shape "
-                f"{seconds.shape} with minimum {seconds.min() if seconds.size else 'n/a'} (candidate_seconds or "
-                "summary_seconds)."
-            )
-        return seconds
-
-
-def best_draft_lengths(
-    acceptance: torch.Tensor,
-    caps: torch.LongTensor,
-    max_draft_tokens: int,
-    cost_model: StepCostModel,
-    min_gain: float = 0.0,
-    share_per_token: float = 0.0,
-) -> torch.LongTensor:
-    """`[batch]` draft lengths maximising expected tokens per second (`sum_i E_i(k_i) / C(k)`).
-
-    Exact for every cost that depends on the length vector through its maximum and its sum and is nondecreasing in
-    the maximum, which covers the padded built-in models (`C` depends on `max k` only) and ragged ones (`C` depends on
-    `sum k`): for any vector `k`, the greedy candidate with the same sum and bound `K = max k` emits at least as many
-    expected tokens and has no larger maximum. For other costs it returns the best of the same candidates. Ties go
-    to the shorter candidate (plain decoding first). At batch 32 and maximum 8 it prices at most 1 153 candidates;
-    with a cost model that prices summaries (the built-in ones), in time and memory linear in the batch size.
-
-    Args:
-        acceptance: `[batch]` acceptance estimates.
-        caps: `[batch]` longest useful draft per row.
-        max_draft_tokens: the loop's maximum draft length.
-        cost_model: prices candidates (`summary_seconds`, else `candidate_seconds`).
-        min_gain: speculate only when it beats plain decoding by this fraction of its rate.
-        share_per_token: seconds a vector that drafts adds per expected emitted token: a one-off cost (the draft's
-            catch-up) spread over the tokens the call has left, so every step carries its share of it.
-    """
-    candidates = Candidates.build(acceptance, caps, max_draft_tokens)
-    if len(candidates) == 1:
-        return torch.zeros(candidates.batch, dtype=torch.long)
-    seconds = candidates.seconds(cost_model) + share_per_token * candidates.tokens * (candidates.longest > 0)
-    rates = candidates.tokens / seconds
-    best = int(np.argmax(rates))
-    if best and rates[best] < rates[0] * (1.0 + min_gain):
-        best = 0
-    return torch.from_numpy(candidates.lengths(best, best + 1)[0])
-
-
-@dataclass
-class GoodputSettings:
-    """`policy_options` of the `goodput` policy."""
-
-    cost_model: str = field(
-        default="online",
-        metadata={"help": "'online' (learn step costs from the loop's timings) or 'profile' (a saved calibration)."},
-    )
-    profile: str | dict | None = field(
-        default=None,
-        metadata={"help": "Calibration profile (path or dict): required by 'profile', the starting point of 'online'."},
-    )
-    prior_acceptance: float = field(default=0.6, metadata={"help": "Acceptance assumed before anything is observed."})
-    prior_weight: float = field(default=4.0, metadata={"help": "Weight of the prior, in draft tokens."})
-    acceptance_decay: float = field(
-        default=0.95, metadata={"help": "Per-step decay of a row's acceptance counts (drafting or not) and the pooled ones."}
-    )
-    window: int = field(default=9, metadata={"help": "Online costs: recent samples kept per knot (the fastest counts)."})
-    tolerance: float = field(
-        default=0.25, metadata={"help": "Online costs: a point counts as measured within a factor 1 + tolerance."}
-    )
-    explore_interval: int = field(default=16, metadata={"help": "Online costs: steps between gap measurements."})
-    warmup_steps: int = field(default=1, metadata={"help": "Online costs: first observed steps to ignore."})
-    confirm_samples: int = field(
-        default=3, metadata={"help": "Online costs: samples before a knot may cost more than its neighbours predict."}
-    )
-    probe_interval: int = field(
-        default=32,
-        metadata={"help": "After this many all-plain steps (times the plain steps a probe is expected to lose), try "
-                  "once with optimistic acceptance (0 disables)."},
-    )
-    probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
-    confidence_z: float = field(
-        default=1.0,
-        metadata={"help": "Standard deviations taken off acceptance when judging whether speculation repays a step "
-                  "that the loss budget alone would not allow."},
-    )
-    stale_after: int = field(
-        default=64, metadata={"help": "Online costs: steps after which a knot's samples no longer confirm it."}
-    )
-    min_gain: float = field(default=0.0, metadata={"help": "Relative margin speculation must win by over plain steps."})
-    loss_budget: float | None = field(
-        default=0.05,
-        metadata={"help": "Largest fraction of plain decoding's time speculation may lose, over every call the policy "
-                  "serves (0 <= x < 1); None: no budget (the search alone decides)."},
-    )
-    lookup_prior_acceptance: float = field(
-        default=0.5, metadata={"help": "Hybrid proposer: prompt-lookup acceptance assumed before anything is observed."}
-    )
-    copy_anchor: int = field(
-        default=4,
-        metadata={"help": "Hybrid proposer: a lookup continuation whose row already shares at least this many final "
-                  "tokens with its source is a copy, with an acceptance estimate of its own (0: no such class)."},
-    )
-    copy_prior_acceptance: float = field(
-        default=0.9, metadata={"help": "Hybrid proposer: acceptance of copies assumed before any is observed."}
-    )
-    tree_slack: float = field(
-        default=0.15,
-        metadata={"help": "Token trees: nodes are added while the verify forward costs at most this fraction more "
-                  "than for a chain of the chosen depth (the target's nearly free slots)."},
-    )
-    early_stop: dict | bool | str | None = field(
-        default=None,
-        metadata={"help": "'marginal': each row drafts while its next token's expected tokens per second beat the "
-                  "step's (see `continue_drafting`); true or a dict of `confidence` options: the confidence "
-                  "threshold stop; off if None."},
-    )
-
-    def __post_init__(self) -> None:
-        if self.cost_model not in COST_MODELS:
-            raise ValueError(f"`cost_model` must be one of {list(COST_MODELS)}, got {self.cost_model!r}.")
-        if self.cost_model == "profile" and self.profile is None:
-            raise ValueError("`cost_model='profile'` needs `profile` (a path or dict written by `hf-dynspec calibrate`).")
-        if self.profile is not None and not isinstance(self.profile, (str, Path, dict)):
-            raise ValueError(f"`profile` must be a path or a dict, got {type(self.profile).__name__}.")
-        check_open_unit("prior_acceptance", self.prior_acceptance)
-        check_open_unit("lookup_prior_acceptance", self.lookup_prior_acceptance)
-        check_open_unit("copy_prior_acceptance", self.copy_prior_acceptance)
-        check_int("copy_anchor", self.copy_anchor, 0)
-        check_positive("prior_weight", self.prior_weight)
-        decay = self.acceptance_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
-            raise ValueError(f"`acceptance_decay` must be a number in (0, 1], got {decay!r}.")
-        check_int("window", self.window, 1)
-        check_positive("tolerance", self.tolerance)
-        check_int("explore_interval", self.explore_interval, 1)
-        check_int("warmup_steps", self.warmup_steps, 0)
-        check_int("confirm_samples", self.confirm_samples, 1)
-        _check_number("min_gain", self.min_gain, 0.0)
-        _check_number("probe_z", self.probe_z, 0.0)
-        _check_number("confidence_z", self.confidence_z, 0.0)
-        _check_number("tree_slack", self.tree_slack, 0.0)
-        check_int("stale_after", self.stale_after, 1)
-        check_int("probe_interval", self.probe_interval, 0)
-        LossBudget(self.loss_budget)  # validates
-        stop = self.early_stop
-        if stop is not None and stop != MARGINAL_STOP and not isinstance(stop, (bool, dict)):
-            raise ValueError(
-                f"`early_stop` must be None, '{MARGINAL_STOP}', a bool or a dict of confidence options, got {stop!r}."
-            )
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> GoodputSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"Unknown `goodput` policy option(s) {unknown}; valid options are {sorted(known)}.")
-        return cls(**options)
 
 
 class GoodputPolicy(DraftLengthPolicy):
@@ -334,7 +78,7 @@ class GoodputPolicy(DraftLengthPolicy):
         """
         self.settings = settings or GoodputSettings()
         s = self.settings
-        self.cost_model = cost_model if cost_model is not None else _build_cost_model(s)
+        self.cost_model = cost_model if cost_model is not None else build_cost_model(s)
         self.acceptance = acceptance or AcceptanceEstimator(s.prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.lookup_acceptance = AcceptanceEstimator(s.lookup_prior_acceptance, s.prior_weight, s.acceptance_decay)
         self.copy_acceptance = AcceptanceEstimator(s.copy_prior_acceptance, s.prior_weight, s.acceptance_decay)
@@ -342,7 +86,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.lookup_confidence = ConfidenceScale(s.prior_weight, s.acceptance_decay)
         self.copy_confidence = ConfidenceScale(s.prior_weight, s.acceptance_decay)
         self._confidence: torch.Tensor | None = None  # [batch] how sure the step's free proposals are, if they say
-        self.stopper = _build_stopper(s.early_stop)
+        self.stopper = build_stopper(s.early_stop)
         self.marginal = s.early_stop == MARGINAL_STOP
         # The marginal stop's state of the current step, indexed by original row id (`PolicyInput.row_ids`):
         self._step_rows = torch.zeros(0, dtype=torch.long)  # [batch] the step's rows
@@ -849,37 +593,3 @@ def _verify_only(cost_model: StepCostModel) -> StepCostModel:
     if isinstance(cost_model, PaddedCostModel):
         return PaddedCostModel(cost_model.verify, None, packed=cost_model.packed)
     return cost_model
-
-
-def _build_cost_model(settings: GoodputSettings) -> StepCostModel:
-    profile = Profile.load(settings.profile) if settings.profile is not None else None
-    if settings.cost_model == "profile":
-        return ProfileCostModel(profile)
-    return OnlineCostModel(
-        window=settings.window,
-        tolerance=settings.tolerance,
-        explore_interval=settings.explore_interval,
-        warmup_steps=settings.warmup_steps,
-        confirm_samples=settings.confirm_samples,
-        profile=profile,
-        stale_after=settings.stale_after,
-    )
-
-
-def _build_stopper(early_stop: dict | bool | str | None) -> ConfidenceStopper | None:
-    if early_stop is None or early_stop is False:
-        return None
-    if early_stop is True:
-        return ConfidenceStopper()
-    if early_stop == MARGINAL_STOP:
-        return ConfidenceStopper(ConfidenceSettings(adaptive=False))  # records judged tokens for the calibration
-    known = {f.name for f in fields(ConfidenceSettings)}
-    unknown = sorted(set(early_stop) - known)
-    if unknown:
-        raise ValueError(f"Unknown `early_stop` option(s) {unknown}; valid options are {sorted(known)}.")
-    return ConfidenceStopper(ConfidenceSettings(**early_stop))
-
-
-def _check_number(name: str, value: Any, minimum: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise ValueError(f"`{name}` must be a finite number >= {minimum}, got {value!r}.")
