@@ -48,7 +48,8 @@ def load_traces(args: argparse.Namespace) -> list[GreedyTrace]:
             GreedyTrace(**{k: v if k == "prompt" or v is None else v[:cut] for k, v in t.items()})
             for t in json.loads(path.read_text())["traces"]
         ]
-    from hf_dynspec.evaluation.bench import BenchSettings, load_inputs
+    from hf_dynspec.evaluation.bench import load_inputs
+    from hf_dynspec.evaluation.settings import BenchSettings
 
     settings = BenchSettings(dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
     target, draft, prompts = load_inputs(settings)

@@ -30,10 +30,11 @@ import torch
 
 from hf_dynspec.candidates.suffix import SuffixCache, SuffixSettings
 from hf_dynspec.cost_models import Profile
-from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
+from hf_dynspec.evaluation.bench import load_inputs
 from hf_dynspec.evaluation.headroom import GreedyTrace, OracleCosts, copy_matches, fastest_schedule
 from hf_dynspec.evaluation.rollout import forward_seconds, matched_seconds
 from hf_dynspec.evaluation.runner import left_pad, trim
+from hf_dynspec.evaluation.settings import SCENARIOS, BenchSettings
 
 TAIL_ROWS = 4
 """The goal's tail: while at most this many rows decode."""

@@ -30,7 +30,8 @@ from hf_dynspec.commands import bench as bench_command
 from hf_dynspec.commands import calibrate as calibrate_command
 from hf_dynspec.devices import input_device, model_devices, unloaded_parameters
 from hf_dynspec.evaluation import models
-from hf_dynspec.evaluation.bench import BenchSettings, run_benchmark
+from hf_dynspec.evaluation.bench import run_benchmark
+from hf_dynspec.evaluation.settings import BenchSettings
 from hf_dynspec.placement import Placement
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

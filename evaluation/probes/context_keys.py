@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from hf_dynspec.config import DynSpecConfig
 from hf_dynspec.coupling import CONTEXT_TOKENS, RowKeys, gumbel_noise, stream_keys
-from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
+from hf_dynspec.evaluation.bench import load_inputs
 from hf_dynspec.evaluation.epochs import (
     EpochSettings,
     _tokenizer,
@@ -39,6 +39,7 @@ from hf_dynspec.evaluation.epochs import (
     train_grpo,
 )
 from hf_dynspec.evaluation.runner import left_pad, trim
+from hf_dynspec.evaluation.settings import SCENARIOS, BenchSettings
 
 
 @torch.inference_mode()

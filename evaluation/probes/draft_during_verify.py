@@ -26,7 +26,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_dynspec.cache import cache_kwarg
-from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
+from hf_dynspec.evaluation.bench import load_inputs
+from hf_dynspec.evaluation.settings import SCENARIOS, BenchSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

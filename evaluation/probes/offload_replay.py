@@ -36,9 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
+from hf_dynspec.evaluation.bench import load_inputs
 from hf_dynspec.evaluation.methods import parse_method, parse_policy_options
 from hf_dynspec.evaluation.runner import Runner
+from hf_dynspec.evaluation.settings import SCENARIOS, BenchSettings
 
 GOODPUT_METHODS = ("goodput", "tree", "hybrid", "tree-lookup")
 """Methods run by the `goodput` policy."""

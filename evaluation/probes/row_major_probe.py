@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
+from hf_dynspec.evaluation.bench import load_inputs
+from hf_dynspec.evaluation.settings import SCENARIOS, BenchSettings
 from hf_dynspec.kernels import row_major_output
 
 

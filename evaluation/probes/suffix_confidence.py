@@ -22,8 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_dynspec.candidates.suffix import SuffixCache
-from hf_dynspec.evaluation.bench import BenchSettings, prompt_ids
+from hf_dynspec.evaluation.bench import prompt_ids
 from hf_dynspec.evaluation.models import load_model, load_tokenizer, resolve_model
+from hf_dynspec.evaluation.settings import BenchSettings
 
 COPY_MATCH = 4  # the goodput policy's `copy_anchor`: a match this long or longer is a copy
 

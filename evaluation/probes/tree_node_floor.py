@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from hf_dynspec.candidates import DraftTreeProposer
-from hf_dynspec.evaluation.bench import SCENARIOS, BenchSettings, load_inputs
+from hf_dynspec.evaluation.bench import load_inputs
 from hf_dynspec.evaluation.methods import parse_method, parse_policy_options
 from hf_dynspec.evaluation.runner import Runner
+from hf_dynspec.evaluation.settings import SCENARIOS, BenchSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the replay script beside this one
 from offload_replay import PROFILES, batch1_forwards, with_profile  # noqa: E402

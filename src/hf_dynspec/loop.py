@@ -1,35 +1,34 @@
-"""The batched speculative decoding loop, usable as `generate(..., custom_generate=speculative_loop)`."""
+"""The batched speculative decoding loop, usable as `generate(..., custom_generate=speculative_loop)`.
+
+Over 600 lines because `LoopRun` is the whole of one `generate` call, prefill to the last step, and reads top to bottom
+in the order it runs (propose, verify, emit, stop rows, observe); what it calls lives elsewhere: the proposer's choice
+(`candidates.choice`), the arguments `generate` hands it (`arguments`), verification, logits processing, placement.
+"""
 
 from __future__ import annotations
 
 import copy
-import inspect
-import sys
 from dataclasses import dataclass
 
 import torch
 from transformers import (
     GenerationConfig,
-    GenerationMixin,
     LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteriaList,
 )
 from transformers.cache_utils import DynamicCache
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .arguments import applied_by_loop, recover_generate_arguments, resolve_config, translation_for
 from .cache import RaggedCache, cached_prefix, check_cache_supported, generation_cache, loop_cache
-from .candidates.base import BatchedProposer, Proposal
-from .candidates.draft_model import DraftModelProposer
-from .candidates.draft_tree import DraftTreeProposer
-from .candidates.free import ModelFreeProposer, ModelFreeSource
+from .candidates.base import Proposal
+from .candidates.choice import LoopChoice, loop_proposer
+from .candidates.free import ModelFreeProposer
 from .candidates.hybrid import HybridProposer
-from .candidates.prompt_lookup import LookupTreeProposer, PromptLookupProposer
+from .candidates.prompt_lookup import PromptLookupProposer
 from .candidates.rollout import RolloutSource
-from .candidates.sources import SourceContext, build_source, source_name
-from .candidates.translated_draft import TranslatedDraftProposer
 from .candidates.tree import TokenTree, prefix_visibility
 from .clocks import Instant
 from .config import DynSpecConfig
@@ -98,10 +97,10 @@ def speculative_loop(
             assisted decoding; chains only). transformers does not forward either tokenizer to a callable
             `custom_generate`: pass them to `hf_dynspec.generate` or to a model made with `enable`.
     """
-    assistant_model, streamer = _recover_generate_arguments(assistant_model, streamer)
+    assistant_model, streamer = recover_generate_arguments(assistant_model, streamer)
     input_ids = input_ids.long()  # other integer dtypes would not mix with the loop's token buffers
-    config = _resolve_config(dynspec_config, generation_config)
-    translation = _translation(assistant_model, tokenizer, assistant_tokenizer, config)
+    config = resolve_config(dynspec_config, generation_config)
+    translation = translation_for(assistant_model, tokenizer, assistant_tokenizer, config)
     validate_inputs(
         model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer,
         same_vocabulary=translation is None, suffix=config.proposer == "suffix", rollouts=config.reuse_rollouts,
@@ -136,7 +135,7 @@ class LoopRun:
         self.generation_config = generation_config
         self.config = config
         self.logits_processor = logits_processor
-        extra_criteria = [c for c in stopping_criteria if not _applied_by_loop(c, generation_config)]
+        extra_criteria = [c for c in stopping_criteria if not applied_by_loop(c, generation_config)]
         self.row_criteria = [c for c in extra_criteria if answers_row_by_row(c)]  # asked row by row, at once
         self.placement = Placement.of(input_ids.device, model, draft, config.narrow_linear, config.fold_attention)
         self.decisions = DecisionBroadcast.for_run(model, draft, self.placement)  # rank 0 decides when sharded
@@ -150,7 +149,11 @@ class LoopRun:
         # [rows] each row's stream of coupled sampling (`hf_dynspec.coupling`), also the rollout cache's key
         self.streams = self._streams(input_ids, attention_mask) if config.sampling == "coupled" else None
         self.coupled = self.do_sample and self.streams is not None
-        self.proposer = self._make_proposer(draft)
+        choice = LoopChoice(
+            model, draft, config, generation_config, logits_processor, self.placement, translation, self.streams,
+            across_ranks=not self.decisions.enabled,
+        )
+        self.proposer = loop_proposer(choice)
         if self.coupled:
             self.proposer.couple(self.streams, config.coupling_keys)
         self.packs = config.packed_verify and can_pack(model)  # verify forwards compute only the real tokens
@@ -181,69 +184,6 @@ class LoopRun:
         real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
         prompts = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), real.cpu())]
         return stream_keys(prompts, self.config.seed, input_ids.device, across_ranks=not self.decisions.enabled)
-
-    def _make_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
-        if self.config.reuse_rollouts:
-            return self._rollout_proposer(draft)
-        mixed = self.config.proposer == "hybrid" or (self.config.proposer == "suffix" and draft is not None)
-        if mixed and self.config.tree_node_budget:
-            raise ValueError(
-                f"DynSpecConfig(proposer={self.config.proposer!r}) with an assistant model proposes chains; set "
-                "`tree_node_budget=0`, or keep the tree and use proposer='auto' (a draft-model tree with "
-                "`assistant_model`, a prompt-lookup trie without) or proposer='suffix' without an assistant model."
-            )
-        if self.config.proposer == "suffix" and draft is None:
-            return ModelFreeProposer(self._source(), self.config.prompt_lookup_max_tokens)
-        if draft is None:
-            if self.config.proposer == "hybrid":
-                raise ValueError(
-                    "DynSpecConfig(proposer='hybrid') combines prompt lookup with a draft model: pass "
-                    "`assistant_model=<draft model>` (and no `prompt_lookup_num_tokens`), or drop proposer='hybrid'."
-                )
-            lookup = self.generation_config.prompt_lookup_num_tokens  # None: coupled sampling with no proposer named
-            return self._lookup_proposer(int(lookup) if lookup is not None else self.config.prompt_lookup_max_tokens)
-        if self.translation is not None:
-            vocab = self.model.config.get_text_config().vocab_size
-            return TranslatedDraftProposer(draft, *self.translation, self.generation_config, vocab)
-        if self.config.tree_node_budget:
-            return DraftTreeProposer(
-                draft, self.logits_processor, self.generation_config, self.placement, self.config,
-                branching=self.config.tree_branching,
-            )
-        model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
-        if mixed and self.config.num_speculative_tokens > 0:
-            return HybridProposer(model, ModelFreeProposer(self._source(), self.config.prompt_lookup_max_tokens))
-        return model
-
-    def _rollout_proposer(self, draft: PreTrainedModel | None) -> BatchedProposer:
-        """The rollout cache's proposals, beside the draft model when there is one (`DynSpecConfig.reuse_rollouts`)."""
-        if self.config.tree_node_budget or self.config.proposer != "auto" or self.translation is not None:
-            raise ValueError(
-                "DynSpecConfig(reuse_rollouts=True) proposes chains from the rollout cache, beside the assistant model "
-                "when one is given: set `tree_node_budget=0` and proposer='auto', and use a draft with the target's "
-                "tokenizer (no `assistant_tokenizer`)."
-            )
-        rollout = ModelFreeProposer(self._source(), self.config.prompt_lookup_max_tokens)
-        if draft is None:
-            return rollout
-        model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
-        return HybridProposer(model, rollout)
-
-    def _source(self) -> ModelFreeSource:
-        """The model-free source the config asks for (`candidates.sources`); a row's stream is its index's."""
-        streams = self.streams.tolist() if self.streams is not None else []
-        context = SourceContext(
-            self.model, self.config, lambda row, prompt: streams[row], across_ranks=not self.decisions.enabled
-        )
-        return build_source(source_name(self.config), context)
-
-    def _lookup_proposer(self, num_tokens: int) -> PromptLookupProposer:
-        kind = LookupTreeProposer if self.config.tree_node_budget else PromptLookupProposer
-        return kind(
-            max_ngram=self.config.prompt_lookup_max_ngram,
-            min_ngram=self.config.prompt_lookup_min_ngram,
-            num_output_tokens=num_tokens,
-        )
 
     def _max_draft_tokens(self) -> int:
         lookup = self.generation_config.prompt_lookup_num_tokens
@@ -712,29 +652,6 @@ class LoopRun:
             )
 
 
-def _translation(
-    draft: PreTrainedModel | None,
-    tokenizer: PreTrainedTokenizerBase | None,
-    assistant_tokenizer: PreTrainedTokenizerBase | None,
-    config: DynSpecConfig,
-) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase] | None:
-    """`(target tokenizer, draft tokenizer)` when the call asks for a draft with another tokenizer, else `None`;
-    a clear error for what such a draft cannot do."""
-    if assistant_tokenizer is None:
-        return None
-    if draft is None or tokenizer is None:
-        raise ValueError(
-            "`assistant_tokenizer` drafts with a model that has another tokenizer: pass the draft as `assistant_model` "
-            "and the target's tokenizer as `tokenizer` too."
-        )
-    if config.tree_node_budget or config.proposer in ("hybrid", "suffix"):
-        raise ValueError(
-            "A draft with another tokenizer proposes chains only: set `tree_node_budget=0` and proposer='auto' "
-            "in the DynSpecConfig."
-        )
-    return tokenizer, assistant_tokenizer
-
-
 def _past_prefix(
     cached_mask: torch.LongTensor, query_mask: torch.LongTensor, visibility: torch.BoolTensor
 ) -> torch.BoolTensor:
@@ -748,51 +665,3 @@ def _past_prefix(
     """
     sees = cached_mask.bool().unsqueeze(1) & query_mask.bool().unsqueeze(2)  # [batch, width, cached]
     return torch.cat([sees.to(visibility.device), visibility], dim=2)
-
-
-def _applied_by_loop(criterion: object, generation_config: GenerationConfig) -> bool:
-    """Whether `criterion` is one of the length and EOS criteria `generate` builds from `generation_config`, which the
-    loop applies itself, row by row: a `MaxLengthCriteria` no tighter than `max_length`, an `EosTokenCriteria` of
-    EOS ids the generation config has. A user's own, tighter ones run as extra criteria."""
-    if isinstance(criterion, MaxLengthCriteria):
-        return criterion.max_length >= generation_config.max_length
-    if isinstance(criterion, EosTokenCriteria):
-        eos = generation_config._eos_token_tensor
-        ids = torch.as_tensor(criterion.eos_token_id).reshape(-1)
-        return eos is not None and bool(torch.isin(ids.to(eos.device), eos.reshape(-1)).all())
-    return False
-
-
-def _resolve_config(value: DynSpecConfig | dict | str | None, generation_config: GenerationConfig) -> DynSpecConfig:
-    """An explicit config wins; otherwise the model's generation config's `dynspec` entry; otherwise defaults."""
-    if value is None:
-        from_model = DynSpecConfig.from_generation_config(generation_config)
-        if from_model is not None:
-            return from_model
-        lookup = generation_config.prompt_lookup_num_tokens
-        return DynSpecConfig(num_speculative_tokens=int(lookup)) if lookup else DynSpecConfig()
-    return DynSpecConfig.coerce(value)
-
-
-_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
-
-
-def _recover_generate_arguments(assistant_model, streamer):
-    """Find `assistant_model` and `streamer` in the calling `generate` when they did not reach the loop.
-
-    When `custom_generate` is a callable, transformers' `generate` validates and prepares `assistant_model` and
-    `streamer` but does not forward them to the callable. They are read from the `generate` call that invoked this
-    loop; `hf_dynspec.generate` and the Hub folder pass them explicitly instead.
-    """
-    if assistant_model is not None and streamer is not None:
-        return assistant_model, streamer
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            break
-        if frame.f_code is _GENERATE_CODE:
-            assistant_model = assistant_model if assistant_model is not None else frame.f_locals.get("assistant_model")
-            streamer = streamer if streamer is not None else frame.f_locals.get("streamer")
-            break
-        frame = frame.f_back
-    return assistant_model, streamer

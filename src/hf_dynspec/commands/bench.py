@@ -22,7 +22,6 @@ import argparse
 import json
 from pathlib import Path
 
-from ..evaluation.bench import OUTPUT_LENGTHS, SCENARIOS, BenchSettings
 from ..evaluation.methods import MethodError, parse_policy_options, table_policy_options
 from ..evaluation.models import (
     DEFAULT_DRAFT,
@@ -33,6 +32,7 @@ from ..evaluation.models import (
     describe_registry,
     parse_max_memory,
 )
+from ..evaluation.settings import OUTPUT_LENGTHS, SCENARIOS, BenchSettings
 
 
 def _int_list(text: str) -> list[int]:

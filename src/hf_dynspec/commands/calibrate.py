@@ -120,7 +120,7 @@ def _models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module,
     if args.tiny:
         if args.target or args.draft:
             raise ValueError("--tiny builds its own models; drop --target/--draft (or drop --tiny).")
-        from ..evaluation.bench import TINY_UNSUPPORTED
+        from ..evaluation.settings import TINY_UNSUPPORTED
         from ..evaluation.tiny import tiny_pair
 
         placed = ["--" + name.replace("_", "-") for name in TINY_UNSUPPORTED if getattr(args, name) is not None]

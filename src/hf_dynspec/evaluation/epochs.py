@@ -42,9 +42,10 @@ from tqdm.auto import tqdm
 from ..candidates.rollout import RolloutSettings, rollout_cache_for
 from ..config import DynSpecConfig
 from ..coupling import response_keys
-from .bench import BenchSettings, load_inputs, machine_description, run_benchmark, target_tokenizer
+from .bench import load_inputs, machine_description, run_benchmark, target_tokenizer
 from .rollout import forward_seconds, matched_seconds
 from .runner import left_pad, trim
+from .settings import BenchSettings
 
 COUPLED = "dynspec-nospec@coupled"
 """The loop without speculation, coupled: its rows are every coupled method's rows, and its forwards price them."""

@@ -349,7 +349,7 @@ def cb_config_for(prompts: list[list[int]], max_new_tokens: int, page: int = 64)
 
 
 def run_serve(settings: Any, progress: bool = True) -> dict[str, Any]:
-    """The serve scenario for bench settings (`hf_dynspec.evaluation.bench.BenchSettings`): the target alone, its
+    """The serve scenario for bench settings (`hf_dynspec.evaluation.settings.BenchSettings`): the target alone, its
     prompts, a paged cache sized for every request at once, and the run's configuration and machine."""
     from dataclasses import asdict
 
