@@ -1,19 +1,25 @@
 """`goodput`: choose the draft lengths that maximise the batch's expected tokens per second (after SmartSpec).
 
-With row `i`'s acceptance estimate `a_i` and draft length `k_i`, the row emits `E_i(k_i) = sum_{j=0..k_i} a_i^j`
-tokens in expectation, and the step takes `C(k)` seconds (a cost model over the whole length vector). The policy picks
+Four principles; every rule of the policy is one of them at work (`docs/policies.md`, "The goodput policy's
+principles", maps each rule to its principle):
 
-    k* = argmax_k  sum_i E_i(k_i) / C(k),   0 <= k_i <= min(max_draft_tokens, remaining_i - 1)
-
-so `k = 0` everywhere (plain decoding) whenever nothing beats it. See `best_draft_lengths` for the search.
-
-The controller is conservative: a step that drafts is taken only if, even when it accepts nothing, the call stays
-within `loss_budget` of plain decoding's time (`hf_dynspec.budget.LossBudget`); the draft's catch-up forwards (its
-prompt prefill the first time it drafts, the tokens of plain steps afterwards) are priced into every decision
-before they are paid. With a hybrid proposer every row may also take its draft tokens from prompt lookup, which
-costs no draft forward; each source has its own acceptance estimate per row.
+1. **Price the step, then choose.** Each step takes the length vector with the most expected tokens per second:
+   each row's acceptance estimate per source (the draft model, a model-free continuation, a copy) against the cost
+   model's price of the whole step (verify width, draft forwards, and the share of a draft catch-up not yet paid).
+   Plain decoding is always a candidate (`search.best_draft_lengths`); a model-free offer costs verify width only;
+   trees grow while the verify costs nearly nothing more; the marginal stop ends a draft where its next token stops
+   paying.
+2. **Book what each step did.** Acceptance is learned per row and source from what the verifier kept (decaying Beta
+   posteriors, `estimators`); costs from each step's measured time (`cost_models`); the loss budget books every
+   step as the plain-decoding work it did against the seconds it took, at measured costs, never optimistic ones.
+3. **Never lose more than the budget.** A step that drafts runs only if the call stays within `loss_budget` of plain
+   decoding even when it accepts nothing, or if speculation repays twice its extra cost at pessimistic acceptance;
+   otherwise its drafts are shortened to what the budget allows (`hf_dynspec.budget.LossBudget`). A one-off cost
+   (the draft's catch-up on a prompt) is priced before it is paid, at measured costs.
+4. **Measure what is unknown.** An online cost model asks for the lengths it has not timed, when they could pay and
+   the budget allows; after enough plain steps (weighted by what a probe would lose, doubled after each probe that
+   lost) the search runs once at optimistic acceptance, so a row whose estimate is low but uncertain is tried again.
 """
-
 from __future__ import annotations
 
 import numpy as np
