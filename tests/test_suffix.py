@@ -13,10 +13,11 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.candidates.free import ModelFreeProposer
 from hf_dynspec.candidates.suffix import (
     SuffixCache,
-    SuffixProposer,
     SuffixSettings,
+    SuffixSource,
     chain_confidence,
     clear_suffix_caches,
     suffix_cache_for,
@@ -218,7 +219,7 @@ def test_without_arctic_inference_the_error_says_how_to_install(monkeypatch):
 
 
 def test_anchors_need_the_steps_offer_first():
-    proposer = SuffixProposer(SuffixCache())
+    proposer = ModelFreeProposer(SuffixSource(SuffixCache()))
     ids, _ = grouped_prompts([5], 1, seed=0)
     batch = TokenBatch(tokens=ids, prompt_width=ids.shape[1], num_prompt=torch.tensor([ids.shape[1]]),
                        num_generated=torch.zeros(1, dtype=torch.long), pad_id=0, max_new_tokens=8)
@@ -234,7 +235,7 @@ def test_a_proposal_says_how_sure_it_is_from_what_followed_its_match_before():
         request = cache.start([])
         cache.extend(request, [11, 12, 13, *ending])
         cache.stop(request)
-    proposer = SuffixProposer(cache)
+    proposer = ModelFreeProposer(SuffixSource(cache))
     ids = torch.tensor([[20, 11, 12, 13], [20, 21, 16, 17]])
     batch = TokenBatch(tokens=ids, prompt_width=4, num_prompt=torch.tensor([4, 4]),
                        num_generated=torch.zeros(2, dtype=torch.long), pad_id=0, max_new_tokens=8)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..coupling import RowKeys, gather_from_ranks, response_keys
-from .free import MAX_ANCHOR, ModelFreeProposer, ModelFreeSource, Offer
+from .free import MAX_ANCHOR, ModelFreeSource, Offer
 
 if TYPE_CHECKING:
     from ..config import DynSpecConfig
@@ -221,30 +221,3 @@ class _Row:
     prompt_length: int
     earlier: EarlierResponse | None  # its stream's earlier response
     keys: RowKeys  # its tokens' keys so far
-
-
-class RolloutProposer(ModelFreeProposer):
-    """The rollout cache's proposals for every row of a batch (`RolloutSource`), each row's stream given by its index
-    in the batch `generate` received."""
-
-    def __init__(
-        self,
-        cache: RolloutCache,
-        streams: torch.LongTensor,
-        num_output_tokens: int = 10,
-        across_ranks: bool = True,
-        keying: str = "context",
-    ) -> None:
-        """
-        Args:
-            cache: the target model's rollout cache.
-            streams: `[rows]` the stream of each row of the batch `generate` received (`coupling.stream_keys`).
-            across_ranks, keying: as `RolloutSource`'s.
-        """
-        by_row = streams.cpu().tolist()
-        source = RolloutSource(cache, lambda row, prompt: by_row[row], keying, across_ranks)
-        super().__init__(source, num_output_tokens)
-
-    @property
-    def cache(self) -> RolloutCache:
-        return self.source.cache

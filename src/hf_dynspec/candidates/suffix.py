@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .free import MAX_ANCHOR, ModelFreeProposer, ModelFreeSource, Offer
+from .free import MAX_ANCHOR, ModelFreeSource, Offer
 
 if TYPE_CHECKING:
     from ..config import DynSpecConfig
@@ -195,9 +195,9 @@ class SuffixSource(ModelFreeSource):
         self._written.clear()
 
     def _speculate(self, row: Hashable, tokens: torch.LongTensor, max_tokens: int, tree: bool):
+        self._write(row, tokens)  # every row's tokens reach the trees, drafting or not
         if max_tokens <= 0:
             return None
-        self._write(row, tokens)
         context = tokens[-self.cache.settings.max_depth :].tolist()
         return self.cache.speculate(self._requests[row], context, max_tokens, tree)
 
@@ -207,17 +207,6 @@ class SuffixSource(ModelFreeSource):
         if tokens.shape[0] > written:
             self.cache.extend(self._requests[row], tokens[written:].tolist())
             self._written[row] = int(tokens.shape[0])
-
-
-class SuffixProposer(ModelFreeProposer):
-    """Suffix speculation for every row of a batch (`SuffixSource`): chains, or token trees under `node_budgets`."""
-
-    def __init__(self, cache: SuffixCache, num_output_tokens: int = 10) -> None:
-        super().__init__(SuffixSource(cache), num_output_tokens)
-
-    @property
-    def cache(self) -> SuffixCache:
-        return self.source.cache
 
 
 def chain_confidence(probs: Sequence[float]) -> float:
