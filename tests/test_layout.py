@@ -131,3 +131,15 @@ def test_a_long_module_says_why() -> None:
         f"Modules over {MAX_LINES} lines: split them, or say at the top why one must stay one file "
         f"({LONG_FILE_NOTE!r} in its docstring):\n" + "\n".join(long)
     )
+
+
+def test_only_the_engine_module_imports_continuous_batchings_internals() -> None:
+    internals = "transformers.generation.continuous_batching"
+    importers = sorted({
+        str(path.relative_to(SOURCES))
+        for path, _ in _modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(internals)
+        or isinstance(node, ast.Import) and any(alias.name.startswith(internals) for alias in node.names)
+    })
+    assert importers == ["hf_dynspec/continuous/engine.py"], importers

@@ -78,12 +78,11 @@ def test_the_cost_model_prices_packed_steps_by_their_real_tokens():
 
 
 def test_every_cost_model_the_policy_derives_keeps_the_packing():
-    from hf_dynspec.cost_models import OnlineCostModel
-    from hf_dynspec.policies.goodput import _verify_only
+    from hf_dynspec.cost_models import OnlineCostModel, verify_only
 
     model = OnlineCostModel()
     model.set_packed(True)
-    assert model.evidence.packed and model.optimistic().packed and _verify_only(model).packed
+    assert model.evidence.packed and model.optimistic().packed and verify_only(model).packed
 
 
 def test_packed_verify_must_be_a_bool():

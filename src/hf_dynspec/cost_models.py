@@ -437,6 +437,21 @@ class OnlineCostModel(PaddedCostModel):
         return PiecewiseLinear.fit(points, far)
 
 
+def measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
+    """Whether an online cost model has confirmed what a step at `batch` rows drafting up to `longest` costs (other
+    cost models are taken at their word)."""
+    if not isinstance(cost_model, OnlineCostModel):
+        return True
+    return cost_model.has_measured(batch * (1 + longest)) and cost_model.draft_rows(batch) in cost_model.draft_samples
+
+
+def verify_only(cost_model: StepCostModel) -> StepCostModel:
+    """The verify part of a padded cost model: what a step costs when no draft forward runs (prompt lookup)."""
+    if isinstance(cost_model, PaddedCostModel):
+        return PaddedCostModel(cost_model.verify, None, packed=cost_model.packed)
+    return cost_model
+
+
 def _median(values: list[float]) -> float:
     return float(np.median(values))
 

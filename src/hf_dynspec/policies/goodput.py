@@ -32,6 +32,8 @@ from ..cost_models import (
     PaddedCostModel,
     StepCostModel,
     draft_model_forwards,
+    measured,
+    verify_only,
 )
 from ..estimators import (
     AcceptanceEstimator,
@@ -484,7 +486,7 @@ class GoodputPolicy(DraftLengthPolicy):
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=request.max_draft_tokens)
         booked = self._booking_model()
         lengths = best_draft_lengths(acceptance, caps, request.max_draft_tokens, booked or self.cost_model)
-        if not bool((lengths > 0).any()) or not _measured(self.cost_model, batch, int(lengths.max())):
+        if not bool((lengths > 0).any()) or not measured(self.cost_model, batch, int(lengths.max())):
             return 0.0, 0
         plain_rate = batch / self._plain_seconds(batch)
         rate = float(expected_tokens(acceptance, lengths).sum()) / self._price(batch, lengths, None, 0.0, model=booked)
@@ -513,7 +515,7 @@ class GoodputPolicy(DraftLengthPolicy):
         lookup_caps = torch.minimum(room, request.free_lengths.cpu())  # [batch]
         if request.backlog is None:  # a model-free proposer (suffix trees): what it offers is the only source
             longest = int(lookup_caps.max()) if lookup_caps.numel() else 0
-            alone = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(model), self.settings.min_gain)
+            alone = best_draft_lengths(by_lookup, lookup_caps, longest, verify_only(model), self.settings.min_gain)
             return alone, alone > 0
         lengths = best_draft_lengths(by_draft, caps, max_k, model, self.settings.min_gain, share)
         if self.settings.copy_anchor and request.draft_tries_free:
@@ -521,7 +523,7 @@ class GoodputPolicy(DraftLengthPolicy):
             # continuation along its forward, and keeps what the draft agrees with.
             lookup_caps = torch.where(self._copying, lookup_caps, 0)
         longest = max(max_k, int(lookup_caps.max()) if lookup_caps.numel() else 0)
-        lookup_only = best_draft_lengths(by_lookup, lookup_caps, longest, _verify_only(self.cost_model))
+        lookup_only = best_draft_lengths(by_lookup, lookup_caps, longest, verify_only(self.cost_model))
         better = (lookup_caps > 0) & (expected_tokens(by_lookup, lookup_caps) >= expected_tokens(by_draft, caps))
         mixed = best_draft_lengths(
             torch.where(better, by_lookup, by_draft), torch.where(better, lookup_caps, caps), longest, model, 0.0, share
@@ -584,18 +586,3 @@ class GoodputPolicy(DraftLengthPolicy):
         tokens = float(expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum())
         forwards = draft_model_forwards(lengths, free)
         return tokens / (self._price(batch, lengths, free, 0.0, model=model) + (share * tokens if forwards else 0.0))
-
-
-def _measured(cost_model: StepCostModel, batch: int, longest: int) -> bool:
-    """Whether an online cost model has confirmed what a step at `batch` rows drafting up to `longest` costs (other
-    cost models are taken at their word)."""
-    if not isinstance(cost_model, OnlineCostModel):
-        return True
-    return cost_model.has_measured(batch * (1 + longest)) and cost_model.draft_rows(batch) in cost_model.draft_samples
-
-
-def _verify_only(cost_model: StepCostModel) -> StepCostModel:
-    """The verify part of a padded cost model: what a step costs when no draft forward runs (prompt lookup)."""
-    if isinstance(cost_model, PaddedCostModel):
-        return PaddedCostModel(cost_model.verify, None, packed=cost_model.packed)
-    return cost_model
