@@ -82,7 +82,6 @@ class ModelFreeProposer(BatchedProposer):
 
     def start(self, batch: TokenBatch) -> None:
         super().start(batch)
-        self.source.close()
         host, width = batch.host, batch.prompt_width
         for row in range(batch.batch_size):
             prompt = host.tokens[row, width - int(host.num_prompt[row]) : width]
@@ -93,8 +92,9 @@ class ModelFreeProposer(BatchedProposer):
         where the length is 0."""
         lengths = lengths.clamp(max=self.num_output_tokens).tolist()
         row_ids = batch.host.row_ids.tolist()
+        none = Offer(confidence=1.0 if self.source.says_confidence else None)
         return [
-            self.source.offer(row_ids[row], batch.host_real_tokens(row), n) if n > 0 else Offer()
+            self.source.offer(row_ids[row], batch.host_real_tokens(row), n) if n > 0 else none
             for row, n in enumerate(lengths)
         ]
 

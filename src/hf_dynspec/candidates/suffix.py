@@ -163,6 +163,8 @@ class SuffixSource(ModelFreeSource):
         self._written: dict[Hashable, int] = {}  # row -> its tokens the cache has
 
     def start(self, row: Hashable, prompt: torch.LongTensor) -> None:
+        if row in self._requests:  # a row of a call that did not close (it raised): its request ends here
+            self.cache.stop(self._requests[row])
         self._requests[row] = self.cache.start(prompt.tolist())
         self._written[row] = int(prompt.shape[0])
 
