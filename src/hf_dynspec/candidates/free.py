@@ -128,8 +128,9 @@ class ModelFreeProposer(BatchedProposer):
         offers, self._offers = self._offers, None
         self.last_free_rows = lengths > 0
         if node_budgets is not None or self.trees:
-            budgets = lengths if node_budgets is None else node_budgets.to("cpu", copy=True)
-            return self._tree_proposal(batch, lengths.clamp(max=self.num_output_tokens), budgets)
+            depths = lengths.clamp(max=self.num_output_tokens)
+            budgets = depths if node_budgets is None else node_budgets.to("cpu", copy=True)  # a chain's worth
+            return self._tree_proposal(batch, depths, budgets)
         if offers is None or len(offers) != batch.batch_size:
             offers = self.offers(batch, lengths)
         return proposal_of(batch, [offer.tokens[: int(n)] for offer, n in zip(offers, lengths)])
