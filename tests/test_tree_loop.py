@@ -231,23 +231,20 @@ def test_lookup_trie_matches_plain_greedy(pair):
     assert any(max(s.draft_lengths) > max(s.draft_depths) for s in out.dynspec_stats.steps), "no trie branched"
 
 
-def test_proposers_are_chosen_by_the_config(pair):
+def test_proposers_are_chosen_by_the_config(pair, monkeypatch):
     target, draft = pair
     ids, mask = left_padded_prompts([5, 7], seed=1)
     seen = []
-    original = hf_dynspec.loop.LoopRun._make_proposer
+    original = hf_dynspec.loop.loop_proposer
 
-    def spy(run, model):
-        proposer = original(run, model)
+    def spy(choice):
+        proposer = original(choice)
         seen.append(type(proposer))
         return proposer
 
-    hf_dynspec.loop.LoopRun._make_proposer = spy
-    try:
-        speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), draft, max_new_tokens=4)
-        speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), prompt_lookup_num_tokens=3, max_new_tokens=4)
-    finally:
-        hf_dynspec.loop.LoopRun._make_proposer = original
+    monkeypatch.setattr(hf_dynspec.loop, "loop_proposer", spy)
+    speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), draft, max_new_tokens=4)
+    speculative(target, ids, mask, DynSpecConfig(policy="static", tree_node_budget=4), prompt_lookup_num_tokens=3, max_new_tokens=4)
     assert seen == [DraftTreeProposer, LookupTreeProposer]
 
 
