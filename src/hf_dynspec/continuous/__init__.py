@@ -28,7 +28,7 @@ exactly a plain continuous-batching step.
 
 The package's modules name the seams of transformers' engine they use:
 
-- `engine`: every import of transformers' continuous-batching internals, and nothing else of them anywhere;
+- `engine`: every import of transformers' continuous-batching internals (no other module imports them);
 - `proposers`: the interface the speculator drives (`RequestProposer`), model-free sources of `candidates/` driven
   per request (`ModelFreeRequests`);
 - `paged_draft`: the draft model in a paged cache of its own (`PagedDraftRequests`), where the engine shows through;
