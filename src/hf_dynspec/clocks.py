@@ -89,7 +89,7 @@ def time_call(
     fn: Callable[[], Any], warmup: int, repeats: int, devices: tuple[torch.device, ...] = ()
 ) -> list[float]:
     """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on the clock the loop times its steps with
-    (`placement.elapsed`): on the CUDA `devices` `fn` runs on, the time their streams took, waited for."""
+    (`elapsed`): on the CUDA `devices` `fn` runs on, the time their streams took, waited for."""
     for _ in range(warmup):
         fn()
     samples = []
