@@ -392,6 +392,7 @@ def plot_epochs(results: dict[str, Any], path) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     epochs = results["second_epoch"]
     kl = [max(e["kl_per_token"], 1e-9) for e in epochs]
@@ -410,6 +411,9 @@ def plot_epochs(results: dict[str, Any], path) -> str:
     axis.axhline(1.0, color="grey", linewidth=0.5)
     if max(kl) > 10 * min(kl):  # several orders of movement; a narrow range reads better on a linear axis
         axis.set_xscale("log")
+    else:  # a narrow range: few ticks, in scientific notation, so their labels do not overlap
+        axis.ticklabel_format(axis="x", style="sci", scilimits=(0, 0), useOffset=False)
+        axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
     axis.set_xlabel("KL(first epoch's policy || updated policy) per token")
     axis.set_ylabel("speed over the loop without speculation")
     axis.set_title("Second epoch: rollout reuse against policy movement")
