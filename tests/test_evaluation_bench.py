@@ -15,6 +15,7 @@ from hf_dynspec.commands import bench as bench_command
 from hf_dynspec.evaluation import bench, methods, plots, report, runner
 from hf_dynspec.evaluation.data import random_token_prompts
 from hf_dynspec.evaluation.methods import MethodError
+from hf_dynspec.evaluation.settings import SCENARIOS
 from hf_dynspec.evaluation.tiny import TINY_EOS, TINY_PAD, TINY_VOCAB, tiny_pair
 
 
@@ -354,7 +355,7 @@ def test_scenario_presets_and_overrides():
     tree = {**marginal, "tree_branching": 3, "tree_stop_judges": "tree"}
     assert settings.policy_options == {"goodput@marginal": {**marginal, "window": 5}, "tree": tree}
     assert "dynspec-goodput@marginal:16" in settings.methods and settings.target_max_memory == {"cpu": "35%"}
-    assert bench.SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": tree}
+    assert SCENARIOS["offload"]["policy_options"] == {"goodput@marginal": marginal, "tree": tree}
     parsed = methods.parse_methods(settings.methods, settings.policy_options)
     assert [m.dynspec_config.prefill_draft_confidence for m in parsed if m.kind == "dynspec"] == [0.4, 0.4]
     trees = [m.dynspec_config for m in parsed if m.name == "dynspec-tree:32:40"]

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from .. import loop
 from ..calibration import CalibrationSettings, calibrate
+from ..candidates import choice
 from ..candidates.base import Proposal
 from ..candidates.draft_model import DraftModelProposer
 from ..candidates.tree import CHECK_ENV
@@ -159,12 +160,12 @@ def oracle_drafts(oracle: torch.LongTensor, acceptance: float, seed: int = 0) ->
     kind = type("OracleDraftRun", (OracleDraft,), {
         "oracle": oracle, "acceptance": acceptance, "generator": torch.Generator().manual_seed(seed),
     })
-    saved = loop.DraftModelProposer
-    loop.DraftModelProposer = kind
+    saved = choice.DraftModelProposer
+    choice.DraftModelProposer = kind
     try:
         yield
     finally:
-        loop.DraftModelProposer = saved
+        choice.DraftModelProposer = saved
 
 
 def controlled_acceptance(
