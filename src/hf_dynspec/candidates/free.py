@@ -100,8 +100,21 @@ class ModelFreeProposer(BatchedProposer):
 
     # ---- what the policy sees ---------------------------------------------------------------------------------------
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor | None:
+        return self.offer_lengths(batch, max_length)
+
+    def offer_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
+        """`[batch]` tokens each row's offer holds (on the host), asked for up to `max_length` tokens and kept for
+        this step's `free_anchors`, `free_confidence` and `take_offers`."""
         self._offers = self.offers(batch, torch.full((batch.batch_size,), max_length, dtype=torch.long))
-        return torch.tensor([offer.tokens.shape[0] for offer in self._offers], dtype=torch.long)  # on the host
+        return torch.tensor([offer.tokens.shape[0] for offer in self._offers], dtype=torch.long)
+
+    def take_offers(self, batch: TokenBatch, lengths: torch.LongTensor) -> list[Offer]:
+        """This step's offers (those of `offer_lengths`, else fresh ones of up to `lengths[b]` tokens), handed over
+        once: the next step asks again."""
+        offers, self._offers = self._offers, None
+        if offers is None or len(offers) != batch.batch_size:
+            offers = self.offers(batch, lengths)
+        return offers
 
     def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
         return torch.tensor([offer.anchor for offer in self._last_offers(batch)], dtype=torch.long)
@@ -125,14 +138,13 @@ class ModelFreeProposer(BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        offers, self._offers = self._offers, None
         self.last_free_rows = lengths > 0
         if node_budgets is not None or self.trees:
+            self._offers = None
             depths = lengths.clamp(max=self.num_output_tokens)
             budgets = depths if node_budgets is None else node_budgets.to("cpu", copy=True)  # a chain's worth
             return self._tree_proposal(batch, depths, budgets)
-        if offers is None or len(offers) != batch.batch_size:
-            offers = self.offers(batch, lengths)
+        offers = self.take_offers(batch, lengths)
         return proposal_of(batch, [offer.tokens[: int(n)] for offer, n in zip(offers, lengths)])
 
     def _tree_proposal(self, batch: TokenBatch, depths: torch.LongTensor, budgets: torch.LongTensor) -> Proposal:

@@ -15,7 +15,7 @@ from ..devices import upload
 from ..sequences import TokenBatch
 from .base import BatchedProposer, EarlyStop, Proposal
 from .draft_model import DraftModelProposer
-from .free import ModelFreeProposer, Offer, proposal_of
+from .free import ModelFreeProposer, proposal_of
 
 
 class HybridProposer(BatchedProposer):
@@ -25,7 +25,6 @@ class HybridProposer(BatchedProposer):
     def __init__(self, draft: DraftModelProposer, free: ModelFreeProposer) -> None:
         self.draft = draft
         self.free = free
-        self._offers: list[Offer] = []  # this step's model-free offer of every row
         self._draft_proposal: Proposal | None = None
 
     @property
@@ -47,22 +46,14 @@ class HybridProposer(BatchedProposer):
         return self.draft.backlog(batch)
 
     def free_lengths(self, batch: TokenBatch, max_length: int) -> torch.LongTensor:
-        self._offers = self.free.offers(batch, torch.full((batch.batch_size,), max_length, dtype=torch.long))
-        return torch.tensor([offer.tokens.shape[0] for offer in self._offers], dtype=torch.long)  # on the host
+        return self.free.offer_lengths(batch, max_length)
 
     def free_confidence(self, batch: TokenBatch) -> torch.Tensor | None:
-        if not self.free.source.says_confidence:
-            return None
-        return torch.tensor([offer.confidence for offer in self._last_offers(batch)], dtype=torch.float64)
+        return self.free.free_confidence(batch)
 
     def free_anchors(self, batch: TokenBatch) -> torch.LongTensor:
         """`[batch]` anchors of this step's model-free offers, after `free_lengths`."""
-        return torch.tensor([offer.anchor for offer in self._last_offers(batch)], dtype=torch.long)
-
-    def _last_offers(self, batch: TokenBatch) -> list[Offer]:
-        if len(self._offers) != batch.batch_size:
-            raise RuntimeError("`free_anchors` and `free_confidence` describe the offers of `free_lengths`: call that first.")
-        return self._offers
+        return self.free.free_anchors(batch)
 
     def propose(
         self,
@@ -72,9 +63,8 @@ class HybridProposer(BatchedProposer):
         free_rows: torch.BoolTensor | None = None,
         node_budgets: torch.LongTensor | None = None,
     ) -> Proposal:
-        if len(self._offers) != batch.batch_size:
-            self.free_lengths(batch, int(lengths.max()))
-        offered = torch.tensor([o.tokens.shape[0] for o in self._offers], dtype=torch.long)  # [batch] on the host
+        offers = self.free.take_offers(batch, lengths)
+        offered = torch.tensor([o.tokens.shape[0] for o in offers], dtype=torch.long)  # [batch] on the host
         if free_rows is None:
             free_rows = offered >= lengths
         free_rows = free_rows.to("cpu", copy=True) & (lengths > 0) & (offered > 0)
@@ -84,8 +74,7 @@ class HybridProposer(BatchedProposer):
             self._draft_proposal = self.draft.propose(batch, by_draft, early_stop)
             self.catchup_seconds, self.catchup_tokens = self.draft.catchup_seconds, self.draft.catchup_tokens
             self.setup_seconds = self.draft.setup_seconds
-        found = [o.tokens[: int(n) if bool(free) else 0] for o, n, free in zip(self._offers, lengths, free_rows)]
-        self._offers = []
+        found = [o.tokens[: int(n) if bool(free) else 0] for o, n, free in zip(offers, lengths, free_rows)]
         self.last_free_rows = free_rows
         return self._merge(proposal_of(batch, found), free_rows)
 
