@@ -24,7 +24,7 @@ def test_forward_schedule_when_everything_is_accepted(k):
     out = target.generate(
         input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
-        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k, draft_lookahead=0),  # one forward per draft token
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k, draft_lookahead=0, proposer="draft"),
     )
     hook.remove()
     assert torch.equal(out.sequences, expected)

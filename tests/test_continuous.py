@@ -21,6 +21,7 @@ from hf_dynspec.candidates.prompt_lookup import LookupSource
 from hf_dynspec.candidates.suffix import clear_suffix_caches
 from hf_dynspec.continuous import (
     DraftRequest,
+    HybridRequests,
     ModelFreeRequests,
     PagedDraftRequests,
     SpeculativeManager,
@@ -105,10 +106,13 @@ CASES = [
     ("llama", "suffix+draft", "static", 8, 20, [5, 9, 13, 7], 2, 40),
     ("llama", "suffix+draft", "goodput", 8, 256, [5, 9, 13, 7], 2, 40),
     ("qwen2", "hybrid", "static", 4, 16, [10, 4, 8, 12], 1, 45),
+    ("llama", "default", "static", 4, 10, [6, 11, 17, 3, 9], 1, 30),
+    ("qwen2", "default", "goodput", 8, 256, [5, 9, 13, 7], 2, 40),
 ]
-"""The draft of `draft`, `suffix+draft` and `hybrid` cases is the target with noise on its weights (`perturbed`,
-scale 0.1); the last two draft per request and step from suffix trees or prompt lookup, or from the draft model."""
-SOURCES = {"suffix": "suffix", "suffix+draft": "suffix", "hybrid": "hybrid"}
+"""The draft of `draft`, `suffix+draft`, `hybrid` and `default` cases is the target with noise on its weights
+(`perturbed`, scale 0.1); the last three draft per request and step from suffix trees or prompt lookup, or from the
+draft model. In the second pass of a `default` case a request's copy can reach past what the draft has seen."""
+SOURCES = {"suffix": "suffix", "suffix+draft": "suffix", "hybrid": "hybrid", "draft": "draft"}
 """`DynSpecConfig.proposer` of each case's proposer (others: 'auto')."""
 
 
@@ -124,7 +128,7 @@ def test_greedy_matches_plain_generate_batch(family, proposer, policy, page, bud
     expected = [output.generated_tokens for output in expected.values()]
     clear_suffix_caches(model)
     kwargs = {"prompt_lookup_num_tokens": 4} if proposer == "lookup" else {}
-    if proposer in ("draft", "suffix+draft", "hybrid"):
+    if proposer in ("draft", "suffix+draft", "hybrid", "default"):
         kwargs = {"assistant_model": perturbed(model, scale=0.1, seed=3)}
     spec = DynSpecConfig(num_speculative_tokens=4, policy=policy, proposer=SOURCES.get(proposer, "auto"))
     manager = speculating(model, generation_config=config, cb=cb_config(page, max_batch_tokens=budget),
@@ -530,7 +534,8 @@ def test_a_bound_draft_speculates_in_the_models_own_generate_batch():
         got = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(),
                                    persistent_manager=True)
         manager = model._cached_continuous_batching_manager
-        assert isinstance(manager.speculator.proposer, PagedDraftRequests)
+        proposer = manager.speculator.proposer  # by default, copies from the context beside the draft model
+        assert isinstance(proposer, HybridRequests) and isinstance(proposer.draft, PagedDraftRequests)
         assert manager.speculation.accepted_tokens > 0
         model.destroy_cached_continuous_batching_manager()
     finally:

@@ -70,6 +70,9 @@ def test_method_options_named_like_config_fields_set_the_config():
     wide = methods.parse_method("dynspec-hybrid@wide:3", options).dynspec_config
     assert (wide.proposer, wide.prompt_lookup_max_tokens, wide.num_speculative_tokens) == ("hybrid", 16, 3)
     assert methods.parse_method("dynspec-goodput", options).dynspec_config.draft_lookahead == DynSpecConfig().draft_lookahead
+    alone = methods.parse_method("dynspec-draft:5", options)
+    assert alone.uses_draft and (alone.dynspec_config.proposer, alone.dynspec_config.num_speculative_tokens) == ("draft", 5)
+    assert methods.parse_method("dynspec-goodput", options).dynspec_config.proposer == "auto"
 
 
 def test_tree_method_options_named_like_config_fields_set_the_config():

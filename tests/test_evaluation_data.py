@@ -184,3 +184,27 @@ def test_packaged_agent_prompts_hold_an_earlier_answer_with_code():
     assert len(prompts) == 16 and all(p.task == "agent" for p in prompts)
     assert all([m["role"] for m in p.messages] == ["user", "assistant", "user"] for p in prompts)
     assert all(data.is_rework_request(*(m["content"] for m in p.messages)) for p in prompts)
+
+
+def test_tool_sessions_quote_a_file_and_a_tools_output_before_the_request():
+    prompts = data.load_prompts("tools", 6)
+    assert len(prompts) == 6 and all(p.task == "tools" for p in prompts)
+    assert all([m["role"] for m in p.messages] == ["user", "assistant", "tool", "user"] for p in prompts)
+    records = data._load_json_lines(data.humaneval_path())
+    for index, prompt in enumerate(prompts):
+        request, answer, tool, rework = (m["content"] for m in prompt.messages)
+        assert records[index]["prompt"] in request and records[index]["canonical_solution"] in answer
+        assert records[index]["test"] in tool and data.TOOL_REQUESTS[index % len(data.TOOL_REQUESTS)] in rework
+    assert data.load_prompts("tools", 500)[-1] == data.tool_prompts(164)[-1]  # one session per HumanEval problem
+
+
+def test_tool_sessions_render_with_a_chat_template_that_knows_tool_turns():
+    from transformers import AutoTokenizer
+
+    from hf_dynspec.evaluation.models import DEFAULT_TARGET, resolve_model
+
+    location = resolve_model(DEFAULT_TARGET, install=False)  # the `evaluation` extra's embedded weights
+    tokenizer = AutoTokenizer.from_pretrained(location.path, **location.from_pretrained_kwargs())
+    ids = data.encode(data.load_prompts("tools", 2), tokenizer)
+    text = tokenizer.decode(ids[0])
+    assert "<tool_response>" in text and "def check(candidate)" in text

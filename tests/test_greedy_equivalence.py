@@ -16,14 +16,14 @@ def plain(model, ids, mask, **kwargs):
     return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
 
 
-def speculative(model, ids, mask, draft, k, **kwargs):
+def speculative(model, ids, mask, draft, k, proposer="auto", **kwargs):
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
         do_sample=False,
         assistant_model=draft,
         custom_generate=hf_dynspec.speculative_loop,
-        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k),
+        dynspec_config=DynSpecConfig(policy="static", num_speculative_tokens=k, proposer=proposer),
         return_dict_in_generate=True,
         **kwargs,
     )
@@ -46,10 +46,10 @@ def test_matches_plain_greedy(pair, draft_kind, batch_size):
     lengths = [3 + (5 * row) % 11 for row in range(batch_size)]
     ids, mask = left_padded_prompts(lengths, seed=batch_size)
     expected = plain(target, ids, mask, max_new_tokens=24)
-    for k in (1, 4):
-        out = speculative(target, ids, mask, drafts[draft_kind], k, max_new_tokens=24)
-        assert torch.equal(out.sequences, expected), f"{family}/{draft_kind}/bs={batch_size}/k={k}"
-    stats = out.dynspec_stats
+    for k, proposer in ((1, "auto"), (4, "auto"), (1, "draft"), (4, "draft")):  # copies beside the draft, and without
+        out = speculative(target, ids, mask, drafts[draft_kind], k, proposer, max_new_tokens=24)
+        assert torch.equal(out.sequences, expected), f"{family}/{draft_kind}/bs={batch_size}/k={k}/{proposer}"
+    stats = out.dynspec_stats  # the draft model's alone
     if draft_kind == "same":
         assert stats.acceptance_rate == 1.0
     if draft_kind == "random":

@@ -17,8 +17,9 @@ from hf_dynspec.placement import Placement
 from hf_dynspec.policies import DraftLengthPolicy, PolicyInput
 from hf_dynspec.sequences import TokenBatch
 
-UNCAPPED = {"draft_lookahead_max_cost": None}
-"""These tests are about what lookahead guesses do, so every guess token is fed, whatever a forward's width costs."""
+UNCAPPED = {"draft_lookahead_max_cost": None, "proposer": "draft"}
+"""These tests are about what lookahead guesses do, so every guess token is fed, whatever a forward's width costs,
+and the draft model proposes alone (no copies beside it)."""
 
 
 def speculate(target, draft, ids, mask, **config):

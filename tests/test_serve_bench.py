@@ -36,6 +36,11 @@ def test_serve_method_names():
     hybrid = ServeMethod.parse("cb-suffix+draft-static:3")
     assert hybrid == ServeMethod("cb-suffix+draft-static:3", "suffix+draft", "static", 3) and hybrid.needs_draft
     assert not ServeMethod.parse("cb-suffix").needs_draft and ServeMethod.parse("cb-draft").needs_draft
+    proposers = {name: ServeMethod.parse(name).dynspec_config()["proposer"]
+                 for name in ("cb-default", "cb-draft", "cb-hybrid", "cb-suffix+draft", "cb-lookup")}
+    assert proposers == {"cb-default": "auto", "cb-draft": "draft", "cb-hybrid": "hybrid", "cb-suffix+draft": "suffix",
+                         "cb-lookup": "auto"}
+    assert all(ServeMethod.parse(name).needs_draft for name in ("cb-default", "cb-hybrid"))
     bad_names = ("cb-model", "cb-suffix-fast", "cb-lookup:0", "plain", "cb-lookup:3:4:5", "cb-suffix:3:0",
                  "cb-draft:x")
     for bad in bad_names:

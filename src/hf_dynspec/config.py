@@ -14,7 +14,7 @@ from .kernels import NARROW_LINEAR
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
-PROPOSERS = ("auto", "hybrid", "suffix")
+PROPOSERS = ("auto", "draft", "hybrid", "suffix")
 """Values of `DynSpecConfig.proposer`."""
 TREE_STOP_JUDGES = ("best", "tree")
 """What a policy's early stop judges at each depth of a draft-model tree (`DynSpecConfig.tree_stop_judges`)."""
@@ -56,8 +56,12 @@ class DynSpecConfig:
     )
     proposer: str = field(
         default="auto",
-        metadata={"help": "Where draft tokens come from: 'auto' (the assistant model if one is given, else prompt "
-                  "lookup), 'hybrid' (per row and step, prompt lookup or the assistant model, as the policy decides), "
+        metadata={"help": "Where draft tokens come from: 'auto' (with an assistant model, per row and step a copy from "
+                  "the context or the assistant model, whose forwards also check the copy: draft lookahead, as the "
+                  "policy decides; copies come from suffix trees when the `suffix` extra is installed, else from prompt "
+                  "lookup; token trees and a draft with another tokenizer take the assistant model alone; without an "
+                  "assistant model, prompt lookup), 'draft' (the assistant model alone), 'hybrid' (per row and step, "
+                  "prompt lookup or the assistant model, as the policy decides), "
                   "'suffix' (suffix trees over the row's prompt, every output of the call so far and the outputs of "
                   "earlier calls, `hf_dynspec.candidates.suffix`; with an assistant model, per row and step the suffix "
                   "proposal or the model, as the policy decides). 'suffix' needs the `suffix` extra."},

@@ -314,7 +314,7 @@ class LoopRun:
         self.target_cache.set_last(outcome.kept.long(), host.kept.long())  # the accepted path stays, the rest are holes
         self.target_cache.settle()
         self.proposer.commit(batch, proposal, host.kept)
-        self._count_reused(proposal, host)
+        self._count_free(proposal, host)
         self.stats.draft_tokens += int(proposal.lengths_on_host().sum())
         self.stats.accepted_tokens += int(host.accepted.sum())
         return self._emit(batch, outcome.emitted, counts, host, self._along_path(scores, logits, outcome))
@@ -365,12 +365,16 @@ class LoopRun:
         self._account_overhead((begun, start, drafted, verified), float(setup))
         return batch
 
-    def _count_reused(self, proposal: Proposal, host: HostOutcome) -> None:
-        """Add the step's accepted tokens that the rollout cache proposed to `stats.reused_tokens`."""
+    def _count_free(self, proposal: Proposal, host: HostOutcome) -> None:
+        """Add the step's accepted tokens that a model-free source proposed to `stats.copied_tokens` (and, from the
+        rollout cache, to `stats.reused_tokens`)."""
         free = self.proposer.last_free_rows
-        if not self.config.reuse_rollouts or proposal.max_length == 0 or free is None:
+        if proposal.max_length == 0 or free is None:
             return
-        self.stats.reused_tokens += int(host.accepted[free.to("cpu", copy=True)].sum())
+        copied = int(host.accepted[free.to("cpu", copy=True)].sum())
+        self.stats.copied_tokens += copied
+        if self.config.reuse_rollouts:
+            self.stats.reused_tokens += copied
 
     def _along_path(
         self, scores: torch.Tensor, logits: torch.Tensor, outcome: TreeVerification
@@ -623,7 +627,7 @@ class LoopRun:
             target_tokens, catchup_seconds, catchup_tokens, free_rows,
         )
         self.policy.observe(feedback)
-        self._count_reused(proposal, host)
+        self._count_free(proposal, host)
         stats = self.stats
         stats.num_steps += 1
         stats.draft_tokens += int(lengths.sum())

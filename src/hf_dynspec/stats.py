@@ -73,6 +73,9 @@ class DynSpecStats:
     `draft_lookahead_max_cost` allows); None when no draft model drafted."""
     rollout_rows: int = 0
     """Rollout reuse (`DynSpecConfig.reuse_rollouts`): rows whose stream had an earlier response in the cache."""
+    copied_tokens: int = 0
+    """Accepted draft tokens that a model-free source proposed (a copy from the context: prompt lookup, suffix trees,
+    the rollout cache) rather than the draft model; the rest of `accepted_tokens` is the draft model's."""
     reused_tokens: int = 0
     """Rollout reuse: accepted draft tokens that the rollout cache proposed (tokens an earlier sample gave again)."""
 

@@ -1,7 +1,8 @@
 """Which proposer `generate`'s loop drafts with: one decision from the call's arguments and its `DynSpecConfig`.
 
-A draft model alone (chains, trees, or a draft with another tokenizer), a model-free source alone (prompt lookup,
-suffix trees, the rollout cache: `sources`), or a source beside the draft model (`hybrid.HybridProposer`).
+A draft model alone (`proposer="draft"`, trees, or a draft with another tokenizer), a model-free source alone
+(prompt lookup, suffix trees, the rollout cache: `sources`), or a source beside the draft model
+(`hybrid.HybridProposer`: the default with a draft model).
 Continuous batching makes the same decision for requests in `hf_dynspec.continuous.entry_points`.
 """
 
@@ -41,24 +42,29 @@ class LoopChoice:
 
 def loop_proposer(self: LoopChoice) -> BatchedProposer:
     """The proposer `generate`'s loop drafts with, as the call's arguments and config ask; a clear error for what
-    they cannot combine."""
-    draft = self.draft
+    they cannot combine.
+
+    With a draft model, the default (`proposer="auto"`) is `HybridProposer`: per row and step a copy from the context
+    (suffix trees with the `suffix` extra, else prompt lookup) or the draft model, as the policy decides.
+    `proposer="draft"` keeps the draft model alone; token trees and a draft with another tokenizer are the draft
+    model alone too."""
+    draft, proposer = self.draft, self.config.proposer
     if self.config.reuse_rollouts:
         return _rollout_proposer(self)
-    mixed = self.config.proposer == "hybrid" or (self.config.proposer == "suffix" and draft is not None)
-    if mixed and self.config.tree_node_budget:
+    named_mix = proposer == "hybrid" or (proposer == "suffix" and draft is not None)
+    if named_mix and self.config.tree_node_budget:
         raise ValueError(
-            f"DynSpecConfig(proposer={self.config.proposer!r}) with an assistant model proposes chains; set "
+            f"DynSpecConfig(proposer={proposer!r}) with an assistant model proposes chains; set "
             "`tree_node_budget=0`, or keep the tree and use proposer='auto' (a draft-model tree with "
             "`assistant_model`, a prompt-lookup trie without) or proposer='suffix' without an assistant model."
         )
-    if self.config.proposer == "suffix" and draft is None:
+    if proposer == "suffix" and draft is None:
         return ModelFreeProposer(_source(self), self.config.prompt_lookup_max_tokens)
     if draft is None:
-        if self.config.proposer == "hybrid":
+        if proposer in ("hybrid", "draft"):
             raise ValueError(
-                "DynSpecConfig(proposer='hybrid') combines prompt lookup with a draft model: pass "
-                "`assistant_model=<draft model>` (and no `prompt_lookup_num_tokens`), or drop proposer='hybrid'."
+                f"DynSpecConfig(proposer={proposer!r}) drafts with a draft model: pass `assistant_model=<draft "
+                "model>` (and no `prompt_lookup_num_tokens`), or drop the proposer to use prompt lookup."
             )
         lookup = self.generation_config.prompt_lookup_num_tokens  # None: coupled sampling with no proposer named
         return _lookup_proposer(self, int(lookup) if lookup is not None else self.config.prompt_lookup_max_tokens)
@@ -71,7 +77,7 @@ def loop_proposer(self: LoopChoice) -> BatchedProposer:
             branching=self.config.tree_branching,
         )
     model = DraftModelProposer(draft, self.logits_processor, self.generation_config, self.placement, self.config)
-    if mixed and self.config.num_speculative_tokens > 0:
+    if proposer != "draft" and self.config.num_speculative_tokens > 0:
         return HybridProposer(model, ModelFreeProposer(_source(self), self.config.prompt_lookup_max_tokens))
     return model
 

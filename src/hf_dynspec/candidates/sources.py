@@ -7,6 +7,7 @@ batching (`hf_dynspec.continuous.proposers.ModelFreeRequests`, alone or in `Hybr
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from ..config import DynSpecConfig
 from .free import ModelFreeSource
 from .prompt_lookup import LookupSource
 from .rollout import RolloutSettings, RolloutSource, rollout_cache_for
-from .suffix import SuffixSettings, SuffixSource, suffix_cache_for
+from .suffix import SuffixCache, SuffixSettings, SuffixSource, suffix_cache_for
 
 
 @dataclass(frozen=True)
@@ -30,20 +31,32 @@ class SourceContext:
 SOURCES: dict[str, Callable[[SourceContext], ModelFreeSource]] = {
     "lookup": lambda c: LookupSource(c.config.prompt_lookup_max_ngram, c.config.prompt_lookup_min_ngram),
     "suffix": lambda c: SuffixSource(suffix_cache_for(c.model, SuffixSettings.from_config(c.config))),
+    "call_suffix": lambda c: SuffixSource(SuffixCache(SuffixSettings.from_config(c.config))),
     "rollout": lambda c: RolloutSource(
         rollout_cache_for(c.model, RolloutSettings.from_config(c.config)), c.stream_of, c.config.coupling_keys,
         c.across_ranks,
     ),
 }
-"""Name -> how to build the source from a `SourceContext`."""
+"""Name -> how to build the source from a `SourceContext`. `suffix` keeps its trees across calls, per target model
+(`suffix.suffix_cache_for`); `call_suffix`, the default's copies, only over the call's own rows (the manager's
+requests under continuous batching), so that a call's proposals, and with a seed its samples, do not depend on
+earlier calls."""
+
+
+def suffix_installed() -> bool:
+    """Whether suffix trees can be built (the `suffix` extra: arctic-inference)."""
+    return importlib.util.find_spec("arctic_inference") is not None
 
 
 def source_name(config: DynSpecConfig) -> str:
-    """The model-free source `config` asks for: the rollout cache (`reuse_rollouts`), suffix trees
-    (`proposer="suffix"`), else prompt lookup."""
+    """The model-free source `config` asks for beside (or instead of) the draft model: the rollout cache
+    (`reuse_rollouts`), suffix trees (`proposer="suffix"`; over the call's own rows for the default `"auto"` when the
+    `suffix` extra is installed), else prompt lookup."""
     if config.reuse_rollouts:
         return "rollout"
-    return "suffix" if config.proposer == "suffix" else "lookup"
+    if config.proposer == "suffix":
+        return "suffix"
+    return "call_suffix" if config.proposer == "auto" and suffix_installed() else "lookup"
 
 
 def build_source(name: str, context: SourceContext) -> ModelFreeSource:

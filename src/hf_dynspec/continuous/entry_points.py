@@ -40,8 +40,9 @@ def init_continuous_batching(
     Drafts come from `assistant_model` (a draft model sharing the target's vocabulary, in a paged cache of its own:
     `PagedDraftRequests`), from prompt lookup (`prompt_lookup_num_tokens`, the most draft tokens a request proposes in
     a step) or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output
-    (the `suffix` extra). With `assistant_model` and `proposer="suffix"` or `"hybrid"`, each request drafts each step
-    from suffix trees or prompt lookup, or from the draft model, as the policy decides. Greedy outputs equal those of
+    (the `suffix` extra). With `assistant_model`, each request drafts each step a copy from its context (suffix trees
+    with the `suffix` extra or `proposer="suffix"`, prompt lookup with `proposer="hybrid"` or without the extra) or
+    from the draft model, as the policy decides; `proposer="draft"` drafts from the draft model alone. Greedy outputs equal those of
     `model.generate_batch`; sampled ones follow the same distribution.
 
     Example:
@@ -137,8 +138,8 @@ def _draft_proposer(
     prompt_lookup_num_tokens: int | None,
     assistant_model: PreTrainedModel,
 ) -> PagedDraftRequests | HybridRequests:
-    """A draft model's proposer: alone with proposer='auto'; with proposer='hybrid' or 'suffix', beside prompt lookup
-    or suffix trees (`HybridRequests`)."""
+    """A draft model's proposer: alone with proposer='draft' or token trees; otherwise beside prompt lookup or suffix
+    trees (`HybridRequests`; `candidates.sources.source_name` says which)."""
     if prompt_lookup_num_tokens is not None:
         raise ValueError(
             "Under continuous batching a draft model takes no `prompt_lookup_num_tokens`: drop it, and use "
@@ -149,7 +150,8 @@ def _draft_proposer(
     check_attention(assistant_model)
     paged_implementation(assistant_model)
     draft = PagedDraftRequests(assistant_model, config.tree_branching, config.tree_min_node_probability)
-    if config.proposer == "auto" or config.num_speculative_tokens == 0:
+    alone = config.proposer == "draft" or config.tree_node_budget or config.reuse_rollouts  # rollouts join later
+    if alone or config.num_speculative_tokens == 0:
         return draft
     free = ModelFreeRequests(build_source(source_name(config), SourceContext(model, config)))
     return HybridRequests(free, draft, config.prompt_lookup_max_tokens)

@@ -137,7 +137,9 @@ class PagedDraftRequests(RequestProposer):
         drafting = [r for r in requests if r.request_id in wanted]
         for request in drafting:
             seen = self._sequences[request.request_id].seen
-            del seen[_common_prefix(seen, request.tokens) :]  # positions the target rejected are rewritten
+            # positions the target rejected are rewritten; so is the newest token when the draft has seen it all (a
+            # request that copied what an earlier one wrote): drafting needs the logits after it
+            del seen[min(_common_prefix(seen, request.tokens), len(request.tokens) - 1) :]
         self._catch_up([r for r in drafting if self._backlog(r) > MAX_INLINE_TAIL])
         drafted: dict[str, list[tuple[list[int], list[float]]]] = {r.request_id: [] for r in drafting}
         by_id = {r.request_id: r for r in drafting}

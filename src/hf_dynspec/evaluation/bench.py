@@ -282,6 +282,8 @@ def _run_record(
         "equivalence": entry.equivalence,
         "active_seconds": _active_seconds(entry.outcomes),
         "reused_tokens": outcome.reused_tokens if method.reuse else None,
+        "copied_tokens": outcome.copied_tokens if method.kind == "dynspec" else None,
+        "accepted_tokens": sum(a * n for a, n in outcome.accepted.items()) if method.kind == "dynspec" else None,
         **({"rows": outcome.tokens} if keep_rows else {}),
         **{name: outcome.times.get(name) if method.kind == "dynspec" else None for name in TIME_FIELDS},
     }
@@ -411,7 +413,7 @@ def foreign_texts(settings: BenchSettings) -> list[list[int]]:
         from .tiny import TINY_VOCAB
 
         return random_token_prompts(FOREIGN_TEXTS, TINY_VOCAB, 16, 128, seed=settings.seed + 1)
-    other = "sharegpt" if settings.dataset in ("humaneval", "codeedit", "agent") else "humaneval"
+    other = "sharegpt" if settings.dataset in ("humaneval", "codeedit", "agent", "tools") else "humaneval"
     tokenizer = target_tokenizer(settings)
     texts = [p.text or "\n".join(m["content"] for m in p.messages) for p in load_prompts(other, FOREIGN_TEXTS)]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]

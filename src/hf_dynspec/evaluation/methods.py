@@ -9,6 +9,7 @@
 | `dynspec-nospec` | `hf_dynspec.generate` proposing nothing: the loop without speculation (rows leave as they finish) |
 | `dynspec-<policy>[:K]` | `hf_dynspec.generate` with the draft model and policy `<policy>` (at most K draft tokens) |
 | `dynspec-prompt-lookup[:N]` | `hf_dynspec.generate` with the model-free prompt-lookup proposer, N tokens |
+| `dynspec-draft[:K]` | `goodput` with the draft model alone (`proposer="draft"`: the default before copies joined it) |
 | `dynspec-hybrid[:K]` | `goodput` with the hybrid proposer: per row and step, prompt lookup or the draft model |
 | `dynspec-tree[:N[:D]]` | `goodput` with draft-model token trees of at most N nodes per row (default 12), D deep (default 4) |
 | `dynspec-tree-lookup[:N]` | `goodput` with prompt-lookup tries of at most N nodes per row (default 10) |
@@ -218,10 +219,10 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         tokens = _count(name, argument, DEFAULT_LOOKUP_TOKENS)
         config = DynSpecConfig(num_speculative_tokens=tokens, policy="static")
         return Method(name, "dynspec", generate_kwargs={"prompt_lookup_num_tokens": tokens}, dynspec_config=config)
-    if base.partition("@")[0] == "dynspec-hybrid":
-        tag = base.partition("@")[2]
-        options, fields = _config_fields(dict((policy_options or {}).get(f"hybrid@{tag}" if tag else "hybrid", {})))
-        settings = {"policy": "goodput", "proposer": "hybrid", "policy_options": options, **fields}
+    if base.partition("@")[0] in ("dynspec-hybrid", "dynspec-draft"):
+        proposer, _, tag = base[len("dynspec-") :].partition("@")
+        options, fields = _config_fields(dict((policy_options or {}).get(f"{proposer}@{tag}" if tag else proposer, {})))
+        settings = {"policy": "goodput", "proposer": proposer, "policy_options": options, **fields}
         if argument is not None:
             settings["num_speculative_tokens"] = _count(name, argument, 0)
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
@@ -253,7 +254,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         return Method(name, "dynspec", uses_draft=True, dynspec_config=DynSpecConfig(**settings))
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], {NO_SPECULATION}, "
-        "dynspec-prompt-lookup[:N], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N], "
+        "dynspec-prompt-lookup[:N], dynspec-draft[:K], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N], "
         "dynspec-suffix[:N][+draft][+warm][+foreign], dynspec-reuse[:N][+draft] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."

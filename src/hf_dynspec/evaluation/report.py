@@ -25,6 +25,14 @@ def _spread(speedups: list[float] | None) -> str:
     return f"{min(speedups):.2f}x" if len(speedups) == 1 else f"{min(speedups):.2f} – {max(speedups):.2f}x"
 
 
+def _sources(run: dict) -> str:
+    """Accepted draft tokens by source: copies (model-free offers) / the draft model; "–" where not recorded."""
+    copied, accepted = run.get("copied_tokens"), run.get("accepted_tokens")
+    if copied is None or accepted is None:
+        return "–"
+    return f"{copied} / {accepted - copied}"
+
+
 def _agreement(run: dict[str, Any], sampled: bool) -> str:
     """`identical / near-tie / mismatch` row counts against plain greedy decoding."""
     if run["method"] == "plain":
@@ -49,8 +57,8 @@ def markdown_table(results: dict[str, Any]) -> str:
     sampled = bool(results.get("config", {}).get("do_sample"))
     lines = [
         "| batch | method | tokens/s | speedup | speedup per repetition | wall s (median) | tokens/CPU-s | new tokens "
-        "| mean accepted | target fwd | draft fwd | identical / near-tie / mismatch |",
-        "| ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| mean accepted | accepted copied / drafted | target fwd | draft fwd | identical / near-tie / mismatch |",
+        "| ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     sequential = False
     default_marked = False
@@ -66,7 +74,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         lines.append(
             f"| {run['batch_size']} | {name} | {_number(run['tokens_per_s'])} | {_number(speedup)}x | "
             f"{_spread(run.get('speedup_repetitions'))} | {_number(run['wall_s'])} | {_number(run.get('tokens_per_cpu_s'))} | {run['new_tokens']} | "
-            f"{_number(run['mean_accepted'])} | "
+            f"{_number(run['mean_accepted'])} | {_sources(run)} | "
             f"{run['target_forwards']} | {run['draft_forwards']} | {match} |"
         )
     if default_marked:

@@ -81,6 +81,8 @@ class Outcome:
     """Per `generate` call, `(seconds since its start, active rows)` at each target forward (`Runner(timeline=True)`)."""
     reused_tokens: int = 0
     """Accepted draft tokens the rollout cache proposed (`DynSpecStats.reused_tokens`)."""
+    copied_tokens: int = 0
+    """Accepted draft tokens a model-free source proposed (`DynSpecStats.copied_tokens`)."""
 
     @property
     def new_tokens(self) -> int:
@@ -98,6 +100,7 @@ class Outcome:
         self.margins.extend(other.margins)
         self.timelines.extend(other.timelines)
         self.reused_tokens += other.reused_tokens
+        self.copied_tokens += other.copied_tokens
         for name, seconds in other.times.items():
             self.times[name] = self.times.get(name, 0.0) + seconds
         self.record_lookahead(other.draft_lookahead)
@@ -416,6 +419,7 @@ class Runner:
             outcome.times[name] = outcome.times.get(name, 0.0) + seconds
         outcome.record_lookahead(getattr(stats, "draft_lookahead", None))
         outcome.reused_tokens += getattr(stats, "reused_tokens", 0)
+        outcome.copied_tokens += getattr(stats, "copied_tokens", 0)
         for step in stats.steps:
             outcome.accepted.update(a for a, k in zip(step.accepted, step.draft_lengths) if k > 0)
             depths = getattr(step, "draft_depths", None)

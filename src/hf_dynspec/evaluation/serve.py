@@ -5,13 +5,16 @@ Each rate has one arrival trace (Poisson: exponential gaps, a fixed seed), the s
 plain continuous batching (`cb-plain`, `model.init_continuous_batching`), or a speculating manager
 (`hf_dynspec.init_continuous_batching`) with a proposer and a policy:
 
-- `cb-draft`, `cb-suffix`, `cb-lookup:N`: the draft model (in its own paged cache), suffix trees or prompt lookup
-  (up to N tokens), draft lengths from the goodput policy;
+- `cb-default`: what `DynSpecConfig()` does with a draft model: per request and step a copy from its context (suffix
+  trees with the `suffix` extra, else prompt lookup) or the draft model, as the goodput policy decides;
+- `cb-draft`, `cb-suffix`, `cb-lookup:N`: the draft model alone (in its own paged cache), suffix trees or prompt
+  lookup (up to N tokens), draft lengths from the goodput policy;
 - `cb-draft-static:K`, `cb-suffix-static:K`, `cb-lookup-static:K`: the same proposers, every decoding request drafting
   up to K tokens;
 - `cb-<proposer>[-static]:K:N`: token trees of up to N nodes, K deep (suffix trees, lookup tries, a draft model's
   chain with its runner-up tokens);
-- `cb-suffix+draft[-static][:K]`: per request and step, suffix trees or the draft model, as the policy decides.
+- `cb-suffix+draft[-static][:K]`, `cb-hybrid[-static][:K]`: per request and step, suffix trees (prompt lookup) or
+  the draft model, as the policy decides.
 
 Per request: latency (arrival to last token), time to first token, time per output token after the first. Per run:
 output tokens per second from the first arrival to the last token. The default rates are shares of the plain
@@ -42,30 +45,36 @@ DEFAULT_RATE_SHARES = (0.25, 0.5, 1.0, 2.0)
 once): from a mostly idle server to twice what it can serve."""
 
 
+PROPOSER_SETTING = {"draft": "draft", "hybrid": "hybrid", "suffix": "suffix", "suffix+draft": "suffix"}
+"""`DynSpecConfig.proposer` of a serve method's proposer (the others: "auto")."""
+
+
 @dataclass(frozen=True)
 class ServeMethod:
     """A way to serve: plain continuous batching, or speculation from `proposer` sized by `policy`."""
 
     name: str
-    proposer: str | None = None  # "draft", "suffix", "lookup" or "suffix+draft"; None: plain
+    proposer: str | None = None  # "default", "draft", "hybrid", "suffix", "lookup" or "suffix+draft"; None: plain
     policy: str = "goodput"
     tokens: int = 4  # most draft tokens a request proposes in a step (a tree's depth)
     tree_nodes: int = 0  # token trees of at most this many nodes; 0: chains
 
     @classmethod
     def parse(cls, name: str) -> ServeMethod:
-        """`cb-plain`, or `cb-<proposer>[-static][:K[:N]]` with proposer `draft`, `suffix`, `lookup` or
+        """`cb-plain`, or `cb-<proposer>[-static][:K[:N]]` with proposer `default` (what `DynSpecConfig()` does with
+        a draft model), `draft` (the draft model alone), `hybrid` (prompt lookup or the draft), `suffix`, `lookup` or
         `suffix+draft` (`:K:N`: trees of N nodes)."""
         if name == "cb-plain":
             return cls(name)
         base, *numbers = name.split(":")
         parts = base.split("-")
-        proposers = ("draft", "suffix", "lookup", "suffix+draft")
+        proposers = ("default", "draft", "hybrid", "suffix", "lookup", "suffix+draft")
         if parts[0] != "cb" or len(parts) not in (2, 3) or parts[1] not in proposers or (
             len(parts) == 3 and parts[2] != "static"
         ) or len(numbers) > 2:
             raise ValueError(
-                f"Unknown serve method {name!r}: use cb-plain, or cb-draft, cb-suffix, cb-lookup or cb-suffix+draft, "
+                f"Unknown serve method {name!r}: use cb-plain, or cb-default, cb-draft, cb-hybrid, cb-suffix, "
+                "cb-lookup or cb-suffix+draft, "
                 "each optionally with -static and :K (cb-suffix-static:4), or trees of N nodes as cb-draft:K:N."
             )
         if any(not number.isdigit() or int(number) < 1 for number in numbers):
@@ -76,8 +85,8 @@ class ServeMethod:
 
     @property
     def needs_draft(self) -> bool:
-        """Whether the method drafts with the draft model (`cb-draft`, `cb-suffix+draft`)."""
-        return self.proposer is not None and "draft" in self.proposer
+        """Whether the method drafts with the draft model (all but `cb-plain`, `cb-suffix` and `cb-lookup`)."""
+        return self.proposer not in (None, "suffix", "lookup")
 
     def manager(self, model: torch.nn.Module, generation_config: Any, cb_config: Any, draft: Any = None):
         """A started manager for this method (`draft`: the draft model of `needs_draft` methods)."""
@@ -100,7 +109,7 @@ class ServeMethod:
     def dynspec_config(self) -> dict[str, Any]:
         """The `DynSpecConfig` settings of a speculating method."""
         return {"num_speculative_tokens": self.tokens, "policy": self.policy,
-                "proposer": "suffix" if self.proposer and self.proposer.startswith("suffix") else "auto",
+                "proposer": PROPOSER_SETTING.get(self.proposer, "auto"),
                 "tree_node_budget": self.tree_nodes}
 
     def speculation(self, draft: Any = None) -> dict[str, Any]:
