@@ -55,10 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "in the served model's dtype.")
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
                         help="Draft up to this many tokens a step by prompt lookup.")
-    parser.add_argument("--proposer", choices=("suffix", "hybrid"), default=None,
+    parser.add_argument("--proposer", choices=("suffix", "hybrid", "draft"), default=None,
                         help="'suffix': draft from suffix trees over every request's prompt and output; with --draft, "
                              "per request and step from them or the draft model. 'hybrid' (with --draft): prompt "
-                             "lookup or the draft model.")
+                             "lookup or the draft model. 'draft' (with --draft): the draft model alone. Without it, a "
+                             "--draft drafts beside copies from each request's context, as the policy decides.")
     parser.add_argument("--dynspec-config", default=None,
                         help="DynSpecConfig as a JSON file or a JSON object (policy, num_speculative_tokens, ...).")
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
