@@ -42,8 +42,8 @@ def init_continuous_batching(
     a step) or, with `DynSpecConfig(proposer="suffix")`, from suffix trees over every request's prompt and output
     (the `suffix` extra). With `assistant_model`, each request drafts each step a copy from its context (suffix trees
     with the `suffix` extra or `proposer="suffix"`, prompt lookup with `proposer="hybrid"` or without the extra) or
-    from the draft model, as the policy decides; `proposer="draft"` drafts from the draft model alone. Greedy outputs equal those of
-    `model.generate_batch`; sampled ones follow the same distribution.
+    from the draft model, as the policy decides; `proposer="draft"` drafts from the draft model alone. Greedy outputs
+    equal those of `model.generate_batch`; sampled ones follow the same distribution.
 
     Example:
 
