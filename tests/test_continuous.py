@@ -477,6 +477,8 @@ def test_requests_that_cannot_speculate_get_clear_errors():
         hf_dynspec.init_continuous_batching(model, flex, generation_config=config)
     with pytest.raises(ValueError, match="needs a draft model"):
         hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "hybrid"})
+    with pytest.raises(ValueError, match="proposer='draft'.*needs a draft model"):
+        hf_dynspec.init_continuous_batching(model, generation_config=config, dynspec_config={"proposer": "draft"})
     with pytest.raises(ValueError, match="positive integer"):
         hf_dynspec.init_continuous_batching(model, prompt_lookup_num_tokens=0, generation_config=config)
     flash = tiny_model("llama", seed=2)
