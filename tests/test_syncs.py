@@ -66,18 +66,20 @@ def assert_within(counter: SyncCounter, budget: int, min_steps: int = 3) -> None
 
 CHAINS = [
     # name, batch sizes, settings, budget per step
-    ("draft", {"policy": "static", "draft_lookahead": 0}, 1),
-    ("draft, sampled", {"policy": "static", "draft_lookahead": 0, "sample": True}, 1),
-    ("draft, goodput", {"draft_lookahead": 0}, 1),
+    ("draft", {"policy": "static", "draft_lookahead": 0, "proposer": "draft"}, 1),
+    ("draft, sampled", {"policy": "static", "draft_lookahead": 0, "sample": True, "proposer": "draft"}, 1),
+    ("draft, goodput", {"draft_lookahead": 0, "proposer": "draft"}, 1),
     ("lookup", {"policy": "static", "lookup": True}, 1),
     ("lookup, sampled", {"policy": "static", "lookup": True, "sample": True}, 1),
     ("lookup, goodput", {"lookup": True}, 1),
     ("lookup tree", {"policy": "static", "lookup": True, "tree_node_budget": 6}, 1),
     ("hybrid", {"policy": "static", "proposer": "hybrid", "draft_lookahead": 0}, 1),
     # draft lookahead reads what each forward drew, to guess the next one's tokens: one read per forward after the first
-    ("draft, lookahead", {"policy": "static", "draft_lookahead_max_cost": None}, 1 + MAX_DRAFT),
+    ("draft, lookahead", {"policy": "static", "draft_lookahead_max_cost": None, "proposer": "draft"}, 1 + MAX_DRAFT),
+    # the default: copies beside the draft (with its lookahead), the goodput policy
+    ("default", {"draft_lookahead_max_cost": None}, 1 + MAX_DRAFT),
     # an early stop reads the draft's probability of every token it drew: one read per draft forward
-    ("draft, early stop", {"policy": "confidence", "draft_lookahead": 0}, 1 + MAX_DRAFT),
+    ("draft, early stop", {"policy": "confidence", "draft_lookahead": 0, "proposer": "draft"}, 1 + MAX_DRAFT),
     # a draft-model tree reads, at each depth, whether to expand and its frontier's mask, then the nodes it keeps
     ("draft tree", {"policy": "static", "tree_node_budget": 6, "draft_lookahead": 0}, 16),
     ("draft tree, sampled", {"policy": "static", "tree_node_budget": 6, "draft_lookahead": 0, "sample": True}, 16),
