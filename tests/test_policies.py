@@ -799,6 +799,43 @@ def test_hybrid_learns_that_copies_are_accepted_where_other_lookups_are_not() ->
     assert served_by_lookup(unsplit, 12) == served_by_lookup(unsplit, 1)
 
 
+def draft_steps_between_copies(policy: GoodputPolicy, steps: int = 64) -> list[int]:
+    """Steps at which the draft model ran, for one row whose even steps offer a copy (anchored by 12 tokens, all 10
+    tokens accepted) and whose odd steps offer none; the draft (in sync with the row) is never accepted."""
+    policy.reset(1)
+    drafted = []
+    for step in range(steps):
+        copying = step % 2 == 0
+        request = PolicyInput(step=step, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([1000]),
+                              max_draft_tokens=4, free_lengths=torch.tensor([10 if copying else 0]),
+                              free_anchors=torch.tensor([12 if copying else 0]), backlog=torch.tensor([1]))
+        lengths, free = policy.draft_lengths(request), policy.free_rows(request)  # [1], [1] or None
+        copied = free is not None and bool(free[0])
+        k = int(lengths[0])
+        if k and not copied:
+            drafted.append(step)
+        policy.observe(StepFeedback(torch.tensor([0]), lengths, lengths, torch.tensor([k if copied else 0]),
+                                    0.0 if copied else 0.05 * k, 0.15 + 0.05 * k, 1 + k,
+                                    free_rows=torch.tensor([copied])))
+    return drafted
+
+
+def test_copying_steps_count_toward_the_next_probe_of_the_draft() -> None:
+    """Where copies win every other step and the draft's estimate (the prior, 0.5) does not pay, the steps between
+    two probes of the draft are the steps the draft did not run, copies included. Counting plain steps only, a copy
+    reset the count and the draft was never tried again while copies covered part of an answer; here it is probed
+    after 4 such steps, then after twice as many after each probe that lost."""
+    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4, loss_budget=None),
+                           cost_model=in_memory_cost())
+    probes = draft_steps_between_copies(policy)
+    assert probes and probes[0] <= 8, probes
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
+    assert len(gaps) >= 2 and gaps == sorted(gaps), probes  # each lost probe makes the next one wait longer
+    never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=0, loss_budget=None),
+                          cost_model=in_memory_cost())
+    assert draft_steps_between_copies(never) == []
+
+
 def test_a_draft_without_lookahead_leaves_any_sure_lookup_a_verify_of_its_own() -> None:
     """Short matches that were always accepted: beside a draft whose lookahead already tries them they are not served
     alone (only copies are); beside a draft without lookahead (`draft_tries_free=False`: draft_lookahead=0, or

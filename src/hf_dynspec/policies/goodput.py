@@ -56,9 +56,10 @@ class GoodputPolicy(DraftLengthPolicy):
     Each step: acceptance estimates per row (`AcceptanceEstimator`), caps `min(max, remaining - 1)`, then
     `best_draft_lengths`, with the draft's catch-up forward (when its backlog is too wide to ride in the first draft
     forward) added to the price of every vector that drafts. An online cost model may instead ask for one exploratory
-    length (to measure a point it lacks). After `probe_interval` consecutive plain steps (times the plain steps a probe
-    is expected to lose, catch-up included: `_probe_weight`) the policy re-solves once with optimistic acceptance
-    (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured again.
+    length (to measure a point it lacks). After `probe_interval` consecutive steps without the draft (plain or copying
+    steps; times the plain steps a probe is expected to lose, catch-up included: `_probe_weight`) the policy re-solves
+    once with optimistic acceptance (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured
+    again.
     Whatever the choice, a step that drafts runs only when `LossBudget.allows` it (see `hf_dynspec.budget`).
 
     With a hybrid proposer (`PolicyInput.free_lengths`), three vectors compete: prompt lookup alone (no draft forward),
@@ -180,14 +181,14 @@ class GoodputPolicy(DraftLengthPolicy):
             # catch-up again at the next attempt): decide as if the measurement were made.
             self.last_exploration, self.last_blocked = None, False
         lengths, self._free = self._search(request, caps, catchup, optimistic=False)
-        if bool((lengths > 0).any()):
+        if self._runs_the_proposer(request, lengths, self._free):
             self.plain_streak = 0
         else:
             self.plain_streak += 1
             interval = self.settings.probe_interval * self.probe_backoff
             if self.settings.probe_interval and self.plain_streak >= interval:
                 probe, free = self._search(request, caps, catchup, optimistic=True)
-                if bool((probe > 0).any()) and self.plain_streak >= interval * self._probe_weight(
+                if self._runs_the_proposer(request, probe, free) and self.plain_streak >= interval * self._probe_weight(
                     request, probe, free, catchup
                 ):
                     self.plain_streak = 0
@@ -198,6 +199,17 @@ class GoodputPolicy(DraftLengthPolicy):
         if not bool((lengths > 0).any()):
             self._free, self._probing = None, False  # a probe the budget stopped is no probe: the next step decides
         return lengths
+
+    @staticmethod
+    def _runs_the_proposer(request: PolicyInput, lengths: torch.LongTensor, free: torch.BoolTensor | None) -> bool:
+        """Whether a step of `lengths` (`free`: its rows served by model-free proposals) runs the proposer whose
+        acceptance probes re-measure: the draft model where there is one, else the model-free source. A step that
+        only copies leaves the draft's estimate as stale as a plain step does, so it counts toward the next probe:
+        while copies keep winning part of an answer, the draft is still tried again where it might win the rest."""
+        drafted = lengths > 0  # [batch]
+        if free is not None and request.backlog is not None:
+            drafted = drafted & ~free
+        return bool(drafted.any())
 
     def _probe_weight(
         self, request: PolicyInput, lengths: torch.LongTensor, free: torch.BoolTensor | None, catchup: float
