@@ -44,8 +44,8 @@ class GoodputSettings:
     )
     probe_interval: int = field(
         default=32,
-        metadata={"help": "After this many all-plain steps (times the plain steps a probe is expected to lose), try "
-                  "once with optimistic acceptance (0 disables)."},
+        metadata={"help": "After this many steps without the draft (plain or copying; times the plain steps a probe "
+                  "is expected to lose), try once with optimistic acceptance (0 disables)."},
     )
     probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
     confidence_z: float = field(
