@@ -106,8 +106,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self._requested = torch.zeros(0, dtype=torch.long)  # [rows] the step's requested draft lengths
         self.budget = LossBudget(s.loss_budget)
         self.catchup = CatchupCost(s.window)
-        self.plain_streak = 0
-        self.probe_backoff = 1  # probes wait `probe_interval * probe_backoff` plain steps; doubles per failed probe
+        self.undrafted_streak = 0  # steps since the draft last ran (plain or copying steps)
+        self.probe_backoff = 1  # probes wait `probe_interval * probe_backoff` steps; doubles per failed probe
         self._probing = False
         self.last_exploration: int | None = None
         self.last_blocked = False
@@ -182,16 +182,15 @@ class GoodputPolicy(DraftLengthPolicy):
             self.last_exploration, self.last_blocked = None, False
         lengths, self._free = self._search(request, caps, catchup, optimistic=False)
         if self._runs_the_proposer(request, lengths, self._free):
-            self.plain_streak = 0
+            self.undrafted_streak = 0
         else:
-            self.plain_streak += 1
+            self.undrafted_streak += 1
             interval = self.settings.probe_interval * self.probe_backoff
-            if self.settings.probe_interval and self.plain_streak >= interval:
+            if self.settings.probe_interval and self.undrafted_streak >= interval:
                 probe, free = self._search(request, caps, catchup, optimistic=True)
-                if self._runs_the_proposer(request, probe, free) and self.plain_streak >= interval * self._probe_weight(
-                    request, probe, free, catchup
-                ):
-                    self.plain_streak = 0
+                weight = self._probe_weight(request, probe, free, catchup)
+                if self._runs_the_proposer(request, probe, free) and self.undrafted_streak >= interval * weight:
+                    self.undrafted_streak = 0
                     lengths, self._free, self._probing = probe, free, True
         if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
             lengths = caps.clone()  # the marginal stop decides where each row's draft ends
