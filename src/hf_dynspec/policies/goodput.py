@@ -188,8 +188,8 @@ class GoodputPolicy(DraftLengthPolicy):
             interval = self.settings.probe_interval * self.probe_backoff
             if self.settings.probe_interval and self.undrafted_streak >= interval:
                 probe, free = self._search(request, caps, catchup, optimistic=True)
-                weight = self._probe_weight(request, probe, free, catchup)
-                if self._runs_the_proposer(request, probe, free) and self.undrafted_streak >= interval * weight:
+                runs = self._runs_the_proposer(request, probe, free)
+                if runs and self.undrafted_streak >= interval * self._probe_weight(request, probe, free, catchup):
                     self.undrafted_streak = 0
                     lengths, self._free, self._probing = probe, free, True
         if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
