@@ -986,3 +986,30 @@ def test_a_catch_up_is_bought_at_measured_costs_not_at_stale_optimistic_ones() -
     assert int(policy.draft_lengths(start).max()) == 0
     in_sync = replace(start, backlog=torch.ones(16, dtype=torch.long))  # no catch-up due: optimism may measure
     assert int(policy.draft_lengths(in_sync).max()) > 0
+
+
+def first_lengths_beside_a_poor_offer(free_lengths: torch.LongTensor | None) -> tuple[int, bool]:
+    """The first drafting decision of a new policy for one row (a 400-token prompt the draft has yet to catch up on):
+    the online cost model has timed plain steps only, and the draft's forward is known by its parameter ratio alone.
+    Returns the draft length and whether a model-free offer serves it. No loss budget: the search's choice is what
+    is compared."""
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None))
+    policy.observe_prefill(PrefillFeedback(1, 400, 2.0, draft_cost_ratio=0.35))
+    plain = torch.zeros(1, dtype=torch.long)
+    for _ in range(3):
+        policy.observe(StepFeedback(torch.tensor([0]), plain, plain, plain, 0.0, 0.27, 1))
+    anchors = None if free_lengths is None else torch.zeros(1, dtype=torch.long)
+    request = PolicyInput(step=3, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([45]), max_draft_tokens=8,
+                          free_lengths=free_lengths, free_anchors=anchors, backlog=torch.tensor([400]))
+    lengths, free = policy.draft_lengths(request), policy.free_rows(request)
+    return int(lengths[0]), free is not None and bool(free[0])
+
+
+def test_a_poor_offer_beside_an_untimed_draft_leaves_the_draft_its_length() -> None:
+    """The search prices a draft forward never timed at nothing (the optimism that gets it timed), and the choice
+    between its result and the offers must price it alike: at the parameter ratio instead, the draft's length lost to
+    plain decoding while a shorter draft that would have paid at that price was never an option, so beside model-free
+    offers the draft never ran until a probe, and its acceptance was never learned."""
+    alone = first_lengths_beside_a_poor_offer(None)
+    assert alone[0] > 0
+    assert first_lengths_beside_a_poor_offer(torch.tensor([1])) == alone

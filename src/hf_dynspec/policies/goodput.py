@@ -426,6 +426,7 @@ class GoodputPolicy(DraftLengthPolicy):
         catchup: float,
         target_tokens: int | None = None,
         model: StepCostModel | None = None,
+        as_searched: bool = False,
     ) -> float:
         """Seconds of a step with `lengths` (`[batch]`), `free` rows served by prompt lookup, catch-up included.
 
@@ -433,7 +434,8 @@ class GoodputPolicy(DraftLengthPolicy):
         overrides the chain's count; `model` overrides the policy's cost model.
 
         Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
-        plain step (so a first exploration is not mistaken for free).
+        plain step (so a first exploration is not mistaken for free), unless `as_searched`: then as the search prices
+        it (`best_draft_lengths`: nothing, the optimism that times the draft), for comparing the search's results.
         """
         model = self.cost_model if model is None else model
         if not isinstance(model, PaddedCostModel):
@@ -444,7 +446,7 @@ class GoodputPolicy(DraftLengthPolicy):
         tokens = batch * (1.0 + longest) if target_tokens is None else float(target_tokens)
         seconds = float(model.verify(np.array([tokens]))[0]) if model.verify is not None else 1.0
         rows = model.draft_rows(batch)
-        if model.draft is not None:
+        if model.draft is not None or as_searched:
             per_forward = model.draft_forward(rows)
         else:
             per_forward = (self.draft_ratio or 0.0) * self._plain_seconds(rows)
@@ -591,9 +593,12 @@ class GoodputPolicy(DraftLengthPolicy):
         share: float,
         model: StepCostModel,
     ) -> float:
-        """Expected tokens per second of `option` (lengths, lookup rows) at `model`'s costs, with the catch-up's
-        `share` per token when a draft forward runs."""
+        """Expected tokens per second of `option` (lengths, lookup rows) at `model`'s costs as the search priced it
+        (an untimed draft too: a price of its own here would refuse the length the search chose at another price,
+        while a shorter one that pays at this price was never among the options), with the catch-up's `share` per
+        token when a draft forward runs."""
         lengths, free = option
         tokens = float(expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum())
         forwards = draft_model_forwards(lengths, free)
-        return tokens / (self._price(batch, lengths, free, 0.0, model=model) + (share * tokens if forwards else 0.0))
+        seconds = self._price(batch, lengths, free, 0.0, model=model, as_searched=True)
+        return tokens / (seconds + (share * tokens if forwards else 0.0))
