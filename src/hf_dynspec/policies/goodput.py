@@ -434,8 +434,7 @@ class GoodputPolicy(DraftLengthPolicy):
         overrides the chain's count; `model` overrides the policy's cost model.
 
         Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
-        plain step (so a first exploration is not mistaken for free), unless `as_searched`: then as the search prices
-        it (`best_draft_lengths`: nothing, the optimism that times the draft), for comparing the search's results.
+        plain step (so a first exploration is not mistaken for free); `as_searched`, at nothing, as the search does.
         """
         model = self.cost_model if model is None else model
         if not isinstance(model, PaddedCostModel):
@@ -593,12 +592,9 @@ class GoodputPolicy(DraftLengthPolicy):
         share: float,
         model: StepCostModel,
     ) -> float:
-        """Expected tokens per second of `option` (lengths, lookup rows) at `model`'s costs as the search priced it
-        (an untimed draft too: a price of its own here would refuse the length the search chose at another price,
-        while a shorter one that pays at this price was never among the options), with the catch-up's `share` per
-        token when a draft forward runs."""
+        """Expected tokens per second of `option` (lengths, lookup rows) at `model`'s costs as the search priced them
+        (an untimed draft too: priced otherwise, its length could lose where a shorter one, never an option, pays)."""
         lengths, free = option
         tokens = float(expected_tokens(torch.where(free, by_lookup, by_draft), lengths).sum())
-        forwards = draft_model_forwards(lengths, free)
-        seconds = self._price(batch, lengths, free, 0.0, model=model, as_searched=True)
-        return tokens / (seconds + (share * tokens if forwards else 0.0))
+        extra = share * tokens if draft_model_forwards(lengths, free) else 0.0
+        return tokens / (self._price(batch, lengths, free, 0.0, model=model, as_searched=True) + extra)
