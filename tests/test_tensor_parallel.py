@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil  # accelerate's dependency
 import pytest
 import torch
 from conftest import left_padded_prompts, perturbed, tiny_model
@@ -77,6 +78,18 @@ def expected(models, inputs) -> dict[int, list[list[int]]]:
     return outputs
 
 
+def kill_launch(launch: subprocess.Popen) -> None:
+    """Kill torchrun and every process it started: its ranks run in sessions of their own, out of reach of its
+    process group, and alive they would keep its output pipes open."""
+    started = psutil.Process(launch.pid).children(recursive=True)
+    os.killpg(launch.pid, signal.SIGKILL)
+    for process in started:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 @pytest.fixture(scope="module")
 def ranks(models, inputs) -> list[dict]:
     """Both ranks' results from one torchrun launch of the worker."""
@@ -95,8 +108,8 @@ def ranks(models, inputs) -> list[dict]:
     try:
         stdout, stderr = launch.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)  # torchrun and both ranks (a hung collective never returns)
-        stdout, stderr = launch.communicate()
+        kill_launch(launch)  # torchrun and both ranks (a hung collective never returns)
+        stdout, stderr = launch.communicate(timeout=60)
         pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT} s (ranks disagreeing hang the collectives):\n"
                     f"{stderr[-6000:]}")
     assert launch.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"

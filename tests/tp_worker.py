@@ -50,7 +50,8 @@ class RankSkewedGoodput(GoodputPolicy):
     """Goodput whose own decisions differ per rank, as unsynchronised wall-clock timings would make them.
 
     Each rank sees its draft times scaled by `100 ** rank`, and odd ranks flip the lengths they would choose
-    (`max - k`), so the ranks disagree from the first step. `raw` records what this rank's policy asked for.
+    (`max - k`) and never name rows for the model-free proposal (`free_rows` is `None`, as when nothing drafts), so
+    the ranks disagree from the first step. `raw` records what this rank's policy asked for.
     """
 
     def __init__(self, rank: int) -> None:
@@ -64,6 +65,9 @@ class RankSkewedGoodput(GoodputPolicy):
             lengths = request.max_draft_tokens - lengths
         self.raw.append(lengths.tolist())
         return lengths
+
+    def free_rows(self, request: PolicyInput) -> torch.BoolTensor | None:
+        return None if self.rank % 2 else super().free_rows(request)
 
     def observe(self, feedback: StepFeedback) -> None:
         feedback.draft_seconds *= 100.0**self.rank

@@ -62,6 +62,15 @@ class DecisionBroadcast:
             return lengths
         return self._broadcast(lengths)
 
+    def free_rows(self, free_rows: torch.BoolTensor | None, batch_size: int) -> torch.BoolTensor | None:
+        """Rank 0's rows served by a model-free proposal (`[batch]` on the host), or its `None` (its policy gave no
+        answer), whatever this rank's policy answered: every rank's proposer offers alike, so every rank calls this."""
+        if not self.enabled:
+            return free_rows
+        code = free_rows.long() if free_rows is not None else torch.full((batch_size,), -1, dtype=torch.long)
+        code = self._broadcast(code)  # [batch]; -1: no answer
+        return None if bool((code < 0).any()) else code.bool()
+
     def proposal(self, proposal: Proposal) -> Proposal:
         """Rank 0's draft tokens `[batch, width]`, lengths `[batch]` and, for trees, parent nodes `[batch, width]`.
 

@@ -422,11 +422,14 @@ class LoopRun:
                 f"Policy {type(self.policy).__name__} returned draft lengths {lengths.tolist()}; expected "
                 f"{batch.batch_size} non-negative integers (one per active row)."
             )
-        free_rows = self.policy.free_rows(request) if free_lengths is not None else None
+        free_rows = None
+        if free_lengths is not None:  # every rank's proposer offers: each takes rank 0's answer, `None` included
+            answer = self.policy.free_rows(request)
+            if answer is not None:
+                answer = answer.to("cpu", copy=True) & (free_lengths.to("cpu", copy=True) > 0)  # lookup must offer
+            free_rows = self.decisions.free_rows(answer, batch.batch_size)
         caps = torch.full_like(lengths, self.max_draft)
         if free_rows is not None:
-            free_rows = free_rows.to("cpu", copy=True) & (free_lengths.to("cpu", copy=True) > 0)  # lookup must offer
-            free_rows = self.decisions.lengths(free_rows.long()).bool()
             caps = torch.where(free_rows, self.max_free, caps)
         lengths = self.decisions.lengths(lengths.minimum(caps).minimum(batch.host_remaining - 1).clamp(min=0))
         budgets = None
