@@ -433,8 +433,8 @@ class GoodputPolicy(DraftLengthPolicy):
         `target_tokens` (the verify forward's tokens; token trees verify more than `batch * (1 + max(lengths))`)
         overrides the chain's count; `model` overrides the policy's cost model.
 
-        Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a
-        plain step (so a first exploration is not mistaken for free); `as_searched`, at nothing, as the search does.
+        Before the cost model has timed a draft forward, one is priced at the draft/target parameter ratio times a plain
+        step (so a first exploration is not mistaken for free); `as_searched`, at nothing as searched, if timed online.
         """
         model = self.cost_model if model is None else model
         if not isinstance(model, PaddedCostModel):
@@ -445,7 +445,7 @@ class GoodputPolicy(DraftLengthPolicy):
         tokens = batch * (1.0 + longest) if target_tokens is None else float(target_tokens)
         seconds = float(model.verify(np.array([tokens]))[0]) if model.verify is not None else 1.0
         rows = model.draft_rows(batch)
-        if model.draft is not None or as_searched:
+        if model.draft is not None or as_searched and isinstance(self.cost_model, OnlineCostModel):
             per_forward = model.draft_forward(rows)
         else:
             per_forward = (self.draft_ratio or 0.0) * self._plain_seconds(rows)
