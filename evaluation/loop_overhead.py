@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
+from hf_dynspec.evaluation.bench import machine_description
 
 
 def build(hidden: int, layers: int, heads: int, vocab: int, seed: int) -> LlamaForCausalLM:
@@ -96,7 +97,7 @@ def main() -> None:
         print(f"| {r['batch_size']} | {r['step_ms']:.1f} | {r['loop_ms_per_step']:.2f} | {100 * r['loop_share']:.2f}% |")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=2)
+            json.dump({"machine": machine_description(), "settings": vars(args), "results": results}, handle, indent=2)
 
 
 if __name__ == "__main__":

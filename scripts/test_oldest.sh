@@ -12,7 +12,7 @@ trap 'rm -rf "$(dirname "$VENV")"' EXIT
 bash "$(dirname "$0")/nested_venv.sh" "$PYTHON" "$VENV"
 "$VENV/bin/python" -m pip install --quiet "transformers==$VERSION"
 "$VENV/bin/python" -c "import transformers; print('transformers', transformers.__version__)"
-"$VENV/bin/python" -m pytest -p no:cacheprovider tests/test_greedy_equivalence.py tests/test_transformers_compat.py \
+"$VENV/bin/python" -m pytest -p no:cacheprovider -n auto tests/test_greedy_equivalence.py tests/test_transformers_compat.py \
   tests/test_sliding_window.py tests/test_prefix_cache.py tests/test_translated_draft.py \
   tests/test_tree.py tests/test_sampling.py tests/test_continuous.py tests/test_serving.py tests/test_coupling.py \
   tests/test_coupling_continuous.py tests/test_rollout_reuse.py

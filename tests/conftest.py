@@ -15,6 +15,8 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 os.environ.setdefault("HF_DYNSPEC_CHECK_TREES", "1")  # the loop checks every tree it builds (`candidates.tree`)
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N` on N cores: one thread a worker, not N each
+    torch.set_num_threads(1)
 
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = 96

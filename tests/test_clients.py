@@ -36,6 +36,7 @@ def _check_rollouts(record: dict) -> None:
     assert sum(run["draft_tokens"] for run in record["runs"]) > 0
 
 
+@pytest.mark.slow
 def test_grpo_trains_with_a_bound_draft_and_with_a_lora_target(tmp_path):
     runs = _run([sys.executable, str(WORKER), str(tmp_path), "full", "lora"], tmp_path)
     for kind, model in (("full", "LlamaForCausalLM"), ("lora", "PeftModelForCausalLM")):
@@ -55,6 +56,7 @@ def _check_reuse(record: dict) -> None:
     assert sum(run["reused_tokens"] for run in second) > 0.5 * sum(run["emitted_tokens"] - run["rows"] for run in second)
 
 
+@pytest.mark.slow
 def test_grpo_epochs_reuse_their_rollouts(tmp_path):
     """TRL's GRPOTrainer, two epochs, a model enabled with coupled sampling and the rollout cache (no change to TRL):
     the second epoch's rollouts take most of their tokens from the first epoch's samples, full and LoRA targets."""
@@ -65,6 +67,7 @@ def test_grpo_epochs_reuse_their_rollouts(tmp_path):
         _check_reuse(record)
 
 
+@pytest.mark.slow
 def test_grpo_rollouts_through_continuous_batching_speculate(tmp_path):
     """TRL's `use_transformers_continuous_batching` rollouts (`model.generate_batch`) of an enabled model speculate
     from suffix trees: the sibling samples of each prompt and the earlier steps' outputs."""
@@ -72,6 +75,7 @@ def test_grpo_rollouts_through_continuous_batching_speculate(tmp_path):
     _check_rollouts(record)
 
 
+@pytest.mark.slow
 def test_grpo_under_accelerate_launch_on_two_processes(tmp_path):
     # `--multi_gpu` is accelerate's torch.distributed launcher; on a machine without GPUs (and `use_cpu=True`) the
     # processes join a gloo group (`--cpu` would launch a single process)

@@ -420,6 +420,7 @@ def test_caches_sized_by_memory_share_the_budget_between_target_and_draft(monkey
     assert manager.continuous_batching_config.max_memory_percent == 0.6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["lookup", "suffix", "suffix-tree", "draft", "draft-tree", "suffix+draft"])
 def test_samples_follow_target_distribution(small_vocab_pair, proposer):  # noqa: F811
     """Sampled requests (temperature) speculate and follow the target's joint law of their tokens (suffix trees:

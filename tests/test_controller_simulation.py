@@ -12,6 +12,7 @@ budget) and a fixed maximal length must fail the plain bound on the same kind of
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,6 +91,7 @@ def test_controller_never_drafts_when_the_draft_prefill_cannot_pay() -> None:
     assert result.seconds == seconds(StaticPolicy(0), env, 0)
 
 
+@pytest.mark.slow
 def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
     """Float32 on a CPU with AVX2 only (measured: a target forward over 2 tokens costs 2.2x one, a draft forward 44%
     of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves three blocks of 16 calls, as

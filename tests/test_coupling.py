@@ -68,6 +68,7 @@ def test_token_keys_are_distinct_within_a_stream():
     assert (first * (1 << 32) + second).unique().numel() == 4096
 
 
+@pytest.mark.slow
 def test_coupled_choice_samples_softmax():
     """The perturbed argmax over many keys follows `softmax(scores)` (-inf scores never win)."""
     scores = torch.tensor([1.0, 0.0, -1.0, float("-inf"), 2.0])
@@ -253,6 +254,7 @@ def coupled_codes(
     return (out[:, prompt.shape[0] :] * torch.tensor([VOCAB**2, VOCAB, 1])).sum(dim=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*SETTINGS, "temperature, position keys"])
 def test_coupled_samples_follow_the_target_joint_law(small_pair, name):
     """Three consecutive tokens sampled through the loop with a draft: Pearson's test does not reject the exact law."""

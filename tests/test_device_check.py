@@ -20,6 +20,7 @@ def device_check(*args: str, python: str = sys.executable) -> subprocess.Complet
                           env={**os.environ, "PYTHON": python})
 
 
+@pytest.mark.slow
 def test_device_check_runs_on_the_cpu(tmp_path: Path) -> None:
     result = device_check("--device", "cpu", "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -116,6 +116,7 @@ def test_greedy_output_is_unchanged_with_a_narrowed_draft(family, lengths, polic
         assert torch.equal(out.sequences, plain)
 
 
+@pytest.mark.slow
 def test_sampling_with_a_narrowed_draft_follows_the_target_distribution(small_vocab_pair):  # noqa: F811
     """Ids 4 and 5 are outside the draft's kept ids (the first 2, and 2 and 3 from the prompt), so they reach the
     output only through the residual distribution: the samples must still follow the target exactly."""

@@ -6,6 +6,8 @@ import io
 import json
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from hf_dynspec.evaluation import data
 from hf_dynspec.evaluation.data import Prompt, PromptSourceError
@@ -198,13 +200,34 @@ def test_tool_sessions_quote_a_file_and_a_tools_output_before_the_request():
     assert data.load_prompts("tools", 500)[-1] == data.tool_prompts(164)[-1]  # one session per HumanEval problem
 
 
+# The tool turns of Qwen2.5's chat template (the default target's): a tool's output is a user turn inside
+# `<tool_response>` tags, consecutive tool outputs share that turn.
+TOOL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokenizer(chat_template: str) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer without merges (every byte a token, so any text round-trips) with `chat_template`."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 def test_tool_sessions_render_with_a_chat_template_that_knows_tool_turns():
-    from transformers import AutoTokenizer
-
-    from hf_dynspec.evaluation.models import DEFAULT_TARGET, resolve_model
-
-    location = resolve_model(DEFAULT_TARGET, install=False)  # the `evaluation` extra's embedded weights
-    tokenizer = AutoTokenizer.from_pretrained(location.path, **location.from_pretrained_kwargs())
+    tokenizer = byte_tokenizer(TOOL_TEMPLATE)
     ids = data.encode(data.load_prompts("tools", 2), tokenizer)
     text = tokenizer.decode(ids[0])
     assert "<tool_response>" in text and "def check(candidate)" in text
+    assert text.endswith("<|im_start|>assistant\n") and text.count("<|im_start|>user") == 3

@@ -107,6 +107,7 @@ def test_unknown_proposer_is_refused():
         DynSpecConfig(proposer="trie")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2])
 def test_hybrid_samples_follow_target_distribution(small_vocab_pair, k):  # noqa: F811
     target, draft = small_vocab_pair

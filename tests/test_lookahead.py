@@ -128,6 +128,7 @@ def test_a_row_an_early_stop_ends_draws_no_more_tokens_even_guessed_ones(lookahe
     assert {position for _, position in policy.judged} == {0, 1}  # every drawn token judged, at its own position
 
 
+@pytest.mark.slow
 def test_lookahead_chains_follow_the_draft_distribution(small_vocab_pair):  # noqa: F811
     """Sampled chains of two tokens: rows whose first draw matches the guess take the second from the guess's
     column, the others from a second forward; together they must follow the draft's own distribution exactly."""

@@ -34,6 +34,7 @@ def _outputs_text(notebook: nbformat.NotebookNode) -> str:
         ("goodput_walkthrough.ipynb", 'MODE = "tiny"', ["same tokens as plain greedy decoding: True", "steps were priced"]),
     ],
 )
+@pytest.mark.slow
 def test_notebook_runs_in_tiny_mode(name, parameters, expected, tmp_path):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     _set_parameters(notebook, parameters)

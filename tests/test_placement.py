@@ -173,6 +173,7 @@ def test_bitsandbytes_target_matches_its_own_plain_generate(saved):
     assert torch.equal(speculative(target, load(saved / "draft", dtype=torch.float32)), plain(target))
 
 
+@pytest.mark.slow
 def test_sampling_with_a_quantized_draft_follows_the_target(tmp_path):
     vocab = 6
     target = tiny_model("llama", seed=4, vocab=vocab, eos_token_id=None, dtype=torch.float32)

@@ -172,6 +172,7 @@ def windows(codes: torch.Tensor, new: int = LOOP_NEW) -> dict[str, torch.Tensor]
         (3, None, True),  # one prompt, `num_return_sequences=n`
     ],
 )
+@pytest.mark.slow
 def test_loop_samples_follow_target_distribution(small_vocab_pair, k, prefill_confidence, return_sequences):
     target, draft = small_vocab_pair
     prompt = torch.tensor([3, 4, 5, 3, 2])

@@ -48,6 +48,7 @@ def test_serve_method_names():
             ServeMethod.parse(bad)
 
 
+@pytest.mark.slow
 def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
     out, plots = tmp_path / "serve.json", tmp_path / "plots"
     code = main(["bench", "--scenario", "serve", "--tiny", "--num-prompts", "5", "--max-new-tokens", "12",
@@ -75,6 +76,7 @@ def test_a_tiny_serve_run_measures_every_request_and_matches_plain(tmp_path):
     assert (plots / "serve_latency.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_a_tiny_serve_run_through_servers_says_where_the_time_goes(tmp_path):
     """`--through server`: the same requests at once through generate, continuous batching and plain
     `transformers serve`, plain and speculating, then the rate through both servers; every path answers as plain

@@ -137,6 +137,7 @@ def ask_all(port: int, model: str) -> dict[str, list[str]]:
                 (("chat", chat), ("streamed", streamed), ("completions", complete))}
 
 
+@pytest.mark.slow
 def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers, tmp_path):
     port = free_port()
     config = {"proposer": "suffix", "policy": "static", "suffix_min_token_probability": 0.0, "tree_node_budget": 6}
@@ -153,6 +154,7 @@ def test_speculating_server_answers_as_the_plain_one(model_dir, plain_answers, t
     assert stats["accepted"] > 0 and stats["free"] == stats["draft"]
 
 
+@pytest.mark.slow
 def test_a_server_with_a_draft_model_answers_as_the_plain_one(model_dir, draft_dir, plain_answers, tmp_path):
     """Each request drafts each step from suffix trees or the draft model (`--proposer suffix` with a draft)."""
     port = free_port()

@@ -49,6 +49,7 @@ def greedy_answer(url: str) -> str:
         0].message.content
 
 
+@pytest.mark.slow
 def test_the_model_goes_by_its_served_name(served, model_dir):  # noqa: F811 - fixture
     url, _, _ = served
     openai_client = client(url)
@@ -72,6 +73,7 @@ def test_every_malformed_request_gets_a_4xx_naming_its_field(served):
     assert healthy(url) and greedy_answer(url)  # nothing it was sent stopped it
 
 
+@pytest.mark.slow
 def test_a_soak_leaves_no_blocks_no_growing_memory_and_the_same_greedy_answers(served):
     """Four rounds of 21 clients, 7 at a time, every kind of `KINDS` in each; after each round the caches hold no
     blocks (the server's stats line) and the server's memory is read. The first round warms the server up."""

@@ -117,6 +117,7 @@ def test_a_sibling_sees_an_output_while_it_is_written():
     cache.stop(second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [0, 4])
 def test_suffix_samples_follow_target_distribution(small_vocab_pair, tree):  # noqa: F811
     """Siblings of one prompt sample together, and later draws (sample sizes) propose from earlier draws' outputs."""

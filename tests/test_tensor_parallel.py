@@ -116,6 +116,7 @@ def ranks(models, inputs) -> list[dict]:
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_target_is_sharded_over_both_ranks(ranks) -> None:
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["tp_size"] == 2 for r in ranks)

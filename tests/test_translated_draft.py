@@ -212,6 +212,7 @@ def test_the_loop_tells_the_policy_how_a_translated_draft_costs(pair, prompts):
             assert bool((request.backlog <= MAX_INLINE_TAIL).all()), request.backlog
 
 
+@pytest.mark.slow
 def test_translated_draft_samples_follow_target_distribution(small_vocab_pair):  # noqa: F811
     """Two sampled tokens per row: the prefill's, then one draft token accepted or rejected against a one-hot `q`."""
     target, draft = small_vocab_pair

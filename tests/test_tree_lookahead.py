@@ -185,6 +185,7 @@ def test_a_stopped_tree_drops_what_lookahead_grew_below_the_stop(attending_pair,
     assert depths and max(depths) == 2  # ... and the stop cut it off
 
 
+@pytest.mark.slow
 def test_sampled_trees_with_lookahead_follow_the_target(small_vocab_pair, adopted):  # noqa: F811
     """Joint law of the first `NEW` sampled tokens, against the exact one. Lookup guesses 1, 3, ... after the prompt,
     which the draft often draws among a node's two children, so trees grow along guesses in many rows."""
