@@ -231,3 +231,15 @@ def test_tool_sessions_render_with_a_chat_template_that_knows_tool_turns():
     text = tokenizer.decode(ids[0])
     assert "<tool_response>" in text and "def check(candidate)" in text
     assert text.endswith("<|im_start|>assistant\n") and text.count("<|im_start|>user") == 3
+
+
+def test_followups_rework_a_standard_library_function_answered_before():
+    prompts = data.load_prompts("followups", 12)
+    assert len(prompts) == 12 and all(p.task == "followups" for p in prompts)
+    assert all([m["role"] for m in p.messages] == ["user", "assistant", "user"] for p in prompts)
+    for index, prompt in enumerate(prompts):
+        request, answer, rework = (m["content"] for m in prompt.messages)
+        name = request.split("`")[1].split("(")[0]
+        assert f"def {name}(" in answer and data.shows_code(answer)
+        assert rework.startswith(data.FOLLOWUP_REQUESTS[index % len(data.FOLLOWUP_REQUESTS)])
+    assert data.load_prompts("followups", 4, offset=8) == prompts[8:12]  # a held-out slice is the same prompts

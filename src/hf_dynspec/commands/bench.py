@@ -121,7 +121,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dataset",
                         help="humaneval, sharegpt, codeedit (ShareGPT code-edit requests), agent (ShareGPT follow-ups "
                              "that rework the code of an earlier answer), tools (agent sessions: a file, a tool's output, a "
-                             "request to rework the file), mixed or a .jsonl path.")
+                             "request to rework the file), followups (a standard-library function answered, then a "
+                             "request to rework it), mixed or a .jsonl path.")
     parser.add_argument("--num-prompts", type=int, help="Prompts per batch size (the dataset's first N after --prompt-offset).")
     parser.add_argument("--prompt-offset", type=int, default=0,
                         help="Skip the dataset's first N prompts: a held-out set for settings tuned on the first ones.")

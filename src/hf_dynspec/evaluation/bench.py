@@ -413,7 +413,7 @@ def foreign_texts(settings: BenchSettings) -> list[list[int]]:
         from .tiny import TINY_VOCAB
 
         return random_token_prompts(FOREIGN_TEXTS, TINY_VOCAB, 16, 128, seed=settings.seed + 1)
-    other = "sharegpt" if settings.dataset in ("humaneval", "codeedit", "agent", "tools") else "humaneval"
+    other = "sharegpt" if settings.dataset in ("humaneval", "codeedit", "agent", "tools", "followups") else "humaneval"
     tokenizer = target_tokenizer(settings)
     texts = [p.text or "\n".join(m["content"] for m in p.messages) for p in load_prompts(other, FOREIGN_TEXTS)]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]

@@ -1,6 +1,6 @@
 """Benchmark prompts: HumanEval (code), ShareGPT (chat, its code-edit requests and its follow-ups that rework an earlier
-answer's code), agent sessions over HumanEval's files (`tools`), any JSONL file, and random token prompts for tiny
-models.
+answer's code), agent sessions over HumanEval's files (`tools`), follow-ups that rework a standard-library function
+(`followups`), any JSONL file, and random token prompts for tiny models.
 
 Prompts are `Prompt` records (text used as is, or chat messages that get the tokenizer's chat template); `encode`
 turns them into token id lists, dropping prompts longer than a limit so one huge prompt cannot dominate a run.
@@ -8,9 +8,12 @@ turns them into token id lists, dropping prompts longer than a limit so one huge
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 import json
 import re
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +21,7 @@ from typing import IO, Any
 
 import torch
 
-DATASETS = ("humaneval", "sharegpt", "codeedit", "agent", "tools", "mixed")
+DATASETS = ("humaneval", "sharegpt", "codeedit", "agent", "tools", "followups", "mixed")
 """Named prompt sources; anything else must be a path to a `.jsonl` file."""
 
 
@@ -179,6 +182,64 @@ def tool_prompts(limit: int, path: Path | None = None) -> list[Prompt]:
     return prompts
 
 
+FOLLOWUP_MODULES = (
+    "textwrap", "heapq", "bisect", "fnmatch", "shlex", "statistics", "colorsys", "calendar", "difflib", "string",
+    "posixpath", "glob", "base64", "html", "urllib.parse", "ipaddress", "fractions", "csv", "functools", "copy",
+    "graphlib", "tokenize", "email.utils", "quopri",
+)
+"""Pure-Python standard-library modules whose functions `followup_prompts` asks for, in this order."""
+FOLLOWUP_REQUESTS = (
+    "Rework it with type hints on every parameter and the return value, keeping its behaviour.",
+    "Rework it to raise a ValueError with a clear message where an argument is invalid.",
+    "Rename its local variables so that each name says what it holds.",
+    "Rework it with a docstring that shows one example, and a comment on each line that is not obvious.",
+    "Make it shorter where that keeps it readable.",
+)
+"""The follow-up request of `followup_prompts`, in turn."""
+
+
+def followup_prompts(limit: int) -> list[Prompt]:
+    """Three-turn follow-ups on an earlier answer: a request for a function of Python's standard library (by name,
+    signature and the first line of its docstring), the function's source as the assistant's answer, then a request
+    to rework it (`FOLLOWUP_REQUESTS[i % 5]`) and show the whole function again.
+
+    Copies from the earlier answer apply to part of each answer only: the rework changes lines throughout. Built from
+    the running Python's own standard library (public functions of `FOLLOWUP_MODULES` of 8 to 40 lines), so it needs
+    nothing installed; the exact sources follow the Python version, which the bench records.
+    """
+    prompts: list[Prompt] = []
+    for name, function in _library_functions():
+        if len(prompts) >= limit:
+            break
+        source = textwrap.dedent(inspect.getsource(function))
+        summary = (inspect.getdoc(function) or "").strip().splitlines()
+        purpose = f" {summary[0]}" if summary else ""
+        request = FOLLOWUP_REQUESTS[len(prompts) % len(FOLLOWUP_REQUESTS)]
+        messages = [
+            {"role": "user", "content": f"Write a Python function `{name}{inspect.signature(function)}`.{purpose}"},
+            {"role": "assistant", "content": f"Here is `{name}`:\n```python\n{source}```"},
+            {"role": "user", "content": f"{request} Show the whole function."},
+        ]
+        prompts.append(Prompt(messages=messages, task="followups"))
+    return prompts
+
+
+def _library_functions() -> Iterator[tuple[str, Callable[..., Any]]]:
+    """`(name, function)` of the public pure-Python functions of `FOLLOWUP_MODULES` with 8 to 40 lines of source, by
+    module and then by name."""
+    for module_name in FOLLOWUP_MODULES:
+        module = importlib.import_module(module_name)
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith("_") or function.__module__ != module.__name__:
+                continue
+            try:
+                lines = inspect.getsource(function).count("\n")
+            except (OSError, TypeError):  # no source (a frozen or compiled module)
+                continue
+            if 8 <= lines <= 40:
+                yield name, function
+
+
 def _first_turns(limit: int, path: Path | None, task: str, keep: Callable[[str], bool]) -> list[Prompt]:
     """The first human turns that `keep` accepts, of the ShareGPT conversations that start with a non-empty one.
 
@@ -227,7 +288,8 @@ def mixed_prompts(limit: int) -> list[Prompt]:
 
 
 def load_prompts(dataset: str, limit: int, offset: int = 0) -> list[Prompt]:
-    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `agent`, `tools`, `mixed`) or
+    """Up to `limit` prompts from a named source (`humaneval`, `sharegpt`, `codeedit`, `agent`, `tools`, `followups`,
+    `mixed`) or
     a JSONL path, in file order, after skipping the source's first `offset` prompts (a held-out set beside the first
     ones)."""
     if limit < 1:
@@ -249,6 +311,8 @@ def _source_prompts(dataset: str, limit: int) -> list[Prompt]:
         return agent_prompts(limit)
     if dataset == "tools":
         return tool_prompts(limit)
+    if dataset == "followups":
+        return followup_prompts(limit)
     if dataset == "mixed":
         return mixed_prompts(limit)
     if dataset.endswith(".jsonl"):
