@@ -8,11 +8,13 @@ Two kinds of figure are checked:
   its method (markers such as `*` and bold dropped) and, where the table has them, its batch size and set; every cell
   whose column the generator also prints must read as the generator prints it. Columns the generators do not print
   are computed by the rules in `COLUMNS`.
-- **Figures in the text.** `FIGURES` lists each figure of the prose with the sentence it stands in and how it is
-  computed from its results file; the sentence, with the computed figures in place, must appear in the page.
+- **Figures in the text.** `report_figures.FIGURES` lists each figure of the prose, the goals and the README with the
+  sentence it stands in and how it is computed from its results file; the sentence, with the computed figures in
+  place, must appear in the page. A measured figure (a ratio, a share, a time) that no listed sentence holds, outside
+  the checked tables, is a difference too: every figure has its results file.
 
-Usage: `python scripts/check_report.py` (exit 1 and one line per difference when a figure does not match its results
-file, or when a listed sentence is no longer in its page). `tests/test_report_figures.py` runs it in the suite.
+Usage: `python scripts/check_report.py` or `make report` (exit 1 and one line per difference).
+`tests/test_report_figures.py` runs it in the suite, and shows that a figure changed by hand fails it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ from hf_dynspec.evaluation.rollout import rollout_table
 from hf_dynspec.evaluation.serve import serve_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_figures import FIGURES, README, REPORT, Figure, load  # noqa: E402 - the figures beside this script
+from report_figures import (  # noqa: E402 - the figures beside this script
+    FIGURES,
+    README,
+    REPORT,
+    Figure,
+    envelope_best,
+    load,
+    per_repetition,
+    run,
+    speed,
+    x,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\]\((benchmarks/[^)#]+\.json)\)")
@@ -138,36 +151,17 @@ def generator_cell(row: dict[str, str], column: str) -> str | None:
 # ---------------------------------------------------------------------------------- columns computed by rules here
 
 
-def _run(name: str, method: str, batch: int | None = None) -> dict[str, Any]:
-    runs = [r for r in load(name)["runs"] if r["method"] == method and batch in (None, r["batch_size"])]
-    if len(runs) != 1:
-        raise LookupError(f"{name}: {len(runs)} runs of {method} at batch {batch}")
-    return runs[0]
-
-
-def _speedups(name: str) -> dict[str, float]:
-    """Each method's tokens/s over plain's in `name` (one batch size)."""
-    runs = load(name)["runs"]
-    plain = next(r["tokens_per_s"] for r in runs if r["method"] == "plain")
-    return {r["method"]: r["tokens_per_s"] / plain for r in runs}
-
-
 def _per_repetition_against(name: str, method: str, other: str) -> str:
-    """`other`'s wall time over `method`'s in each repetition, three decimals: `1.363 / 1.363 / 1.404`."""
-    ours, theirs = _run(name, method)["wall_s_repetitions"], _run(name, other)["wall_s_repetitions"]
-    return " / ".join(f"{t / o:.3f}" for o, t in zip(ours, theirs))
-
-
-DEFAULT_ENVELOPE = ("dynspec-draft", "dynspec-hybrid", "dynspec-suffix+draft")
+    """`method`'s speed over `other`'s in each repetition, three decimals: `1.363 / 1.363 / 1.404`."""
+    return " / ".join(f"{v:.3f}" for v in per_repetition(name, method, other))
 
 
 def _default_over_best(name: str) -> str:
-    speed = _speedups(name)
-    return f"{speed['dynspec-goodput'] / max(speed[m] for m in DEFAULT_ENVELOPE):.2f}x"
+    return x(speed(name, "dynspec-goodput") / envelope_best(name))
 
 
 def _draft_forwards(name: str) -> str:
-    return f"{_run(name, 'dynspec-goodput')['draft_forwards']}, {_run(name, 'dynspec-draft')['draft_forwards']}"
+    return f"{run(name, 'dynspec-goodput')['draft_forwards']}, {run(name, 'dynspec-draft')['draft_forwards']}"
 
 
 ColumnRule = Callable[[str, str], str]
@@ -249,7 +243,7 @@ def check_set_table(table: Table, page: str, outcome: Outcome) -> None:
         if len(files) != 1:
             outcome.differences.append(f"{where}: {len(files)} results files (want 1)")
             continue
-        speed = _speedups(files[0])
+        methods = {r["method"] for r in load(files[0])["runs"]}
         for column, cell in row.items():
             if column == "set":
                 continue
@@ -258,7 +252,7 @@ def check_set_table(table: Table, page: str, outcome: Outcome) -> None:
             if rule:
                 computed = rule(files[0], "")
             else:
-                computed = f"{speed[method]:.2f}x" if method in speed else None
+                computed = x(speed(files[0], method)) if method in methods else None
             outcome.compare(f"{where} [{column}]", cell, computed)
 
 
