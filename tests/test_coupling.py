@@ -18,6 +18,7 @@ import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.coupling import (
     GUMBEL_MAX,
+    REUSE_SEED,
     RowKeys,
     batch_keys,
     coupled_choice,
@@ -426,3 +427,36 @@ def test_standard_sampling_is_unchanged_by_default(pair32, batch):
                                         max_new_tokens=12, assistant_model=draft,
                                         dynspec_config=DynSpecConfig(policy="static")))
     assert torch.equal(runs[0], runs[1])
+
+
+# ---- seeds -------------------------------------------------------------------------------------------------------------
+def _unseeded(model, ids, mask, **config) -> torch.Tensor:
+    settings = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=24)
+    return hf_dynspec.generate(model, input_ids=ids, attention_mask=mask,
+                               dynspec_config=DynSpecConfig(sampling="coupled", **config), **settings)
+
+
+def test_calls_without_a_seed_sample_anew_and_a_seeded_run_repeats(pair32):
+    target, _ = pair32
+    ids, mask = left_padded_prompts([5, 7, 6], seed=4)
+    first, second = _unseeded(target, ids, mask), _unseeded(target, ids, mask)
+    assert not torch.equal(first, second)  # two calls: independent samples, not the same ones again
+    torch.manual_seed(13)
+    again = _unseeded(target, ids, mask)
+    torch.manual_seed(13)
+    assert torch.equal(_unseeded(target, ids, mask), again)  # `set_seed` reproduces a run
+    assert torch.equal(_sample(target, ids, mask), _sample(target, ids, mask))  # an explicit seed: the same samples
+
+
+def test_rollout_reuse_without_a_seed_uses_the_fixed_seed_and_says_so(pair32):
+    target, _ = pair32
+    ids, mask = left_padded_prompts([5, 7], seed=5)
+    hf_dynspec.clear_rollouts(target)
+    with pytest.warns(UserWarning, match=f"seed {REUSE_SEED}"):
+        reused = _unseeded(target, ids, mask, reuse_rollouts=True, policy="static")
+    hf_dynspec.clear_rollouts(target)
+    seeded = _unseeded(target, ids, mask, reuse_rollouts=True, policy="static", seed=REUSE_SEED)
+    hf_dynspec.clear_rollouts(target)
+    assert torch.equal(reused, seeded)
+    with pytest.raises(ValueError, match="seed"):
+        DynSpecConfig(sampling="coupled", seed=-1)

@@ -173,10 +173,13 @@ class DynSpecConfig:
                   "draft lengths or the batch, and a prompt sampled again with the same seed after a small update of "
                   "the model repeats most of what it sampled before (see `reuse_rollouts`). Greedy decoding ignores it."},
     )
-    seed: int = field(
-        default=0,
+    seed: int | None = field(
+        default=None,
         metadata={"help": "Coupled sampling: the seed of every row's noise. Calls with the same seed, prompt and index "
-                  "sample the same tokens from the same distributions; a new seed removes the coupling."},
+                  "sample the same tokens from the same distributions; a new seed removes the coupling. None: each "
+                  "call draws its seed from torch's random generator (so `transformers.set_seed` reproduces a run and "
+                  "two calls sample independently), except with `reuse_rollouts`, which needs the same seed every "
+                  "epoch and uses `coupling.REUSE_SEED` (0), saying so once."},
     )
     coupling_keys: str = field(
         default="context",
@@ -254,7 +257,8 @@ class DynSpecConfig:
         self._check_int("compact_min_holes", minimum=1)
         self._check_choice("sampling", SAMPLERS)
         self._check_choice("coupling_keys", KEYINGS)
-        self._check_int("seed", minimum=0)
+        if self.seed is not None:
+            self._check_int("seed", minimum=0)
         self._check_int("rollout_cache_samples", minimum=1)
         self._check_int("rollout_cache_tokens", minimum=1)
         if not isinstance(self.reuse_rollouts, bool):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -298,6 +299,29 @@ def response_keys(prompt: Sequence[int], response: Sequence[int], keying: str) -
 
 
 # ---- streams ---------------------------------------------------------------------------------------------------------
+REUSE_SEED = 0
+"""The seed of rollout reuse when the config names none: every epoch must sample with the same seed to find its
+earlier samples, so it cannot be drawn anew per call."""
+_SEED_BOUND = 1 << 62
+
+
+def call_seed(seed: int | None, reuse_rollouts: bool) -> int:
+    """The coupling seed of one call: `seed` when given; with rollout reuse and no seed, `REUSE_SEED` (with a warning,
+    shown once by Python's default filter); otherwise one drawn from torch's default generator, so a seeded run
+    (`torch.manual_seed`, `transformers.set_seed`) repeats its samples and two calls sample independently."""
+    if seed is not None:
+        return int(seed)
+    if reuse_rollouts:
+        warnings.warn(
+            f"reuse_rollouts=True without a seed: coupled sampling uses seed {REUSE_SEED}, the same in every call, so "
+            "that each epoch finds its earlier samples. Pass DynSpecConfig(seed=...) to choose another.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return REUSE_SEED
+    return int(torch.randint(0, _SEED_BOUND, (1,)))
+
+
 def prompt_digest(prompt: Sequence[int]) -> bytes:
     """16 bytes that identify a prompt (its token ids without padding)."""
     tokens = [int(token) for token in prompt]

@@ -2,14 +2,15 @@
 
 A target loaded with `tp_plan="auto"` under `torchrun` is sharded over the ranks of its tensor-parallel group, and
 every rank runs the same speculative loop with a full copy of the draft. Each target forward is a collective: every
-rank must feed the same ids of the same shape, or the collectives hang or mix different batches. Three decisions of
+rank must feed the same ids of the same shape, or the collectives hang or mix different batches. Four decisions of
 the loop can differ between ranks:
 
 - the draft lengths: policies such as `goodput` learn from wall-clock timings, which differ per rank;
 - the proposal: a sampling draft draws from each rank's own random state, and a policy's early stop depends on it;
-- the verifier's output: rejection sampling draws from each rank's own random state too.
+- the verifier's output: rejection sampling draws from each rank's own random state too;
+- coupled sampling's seed, when a call draws it from each rank's own random state.
 
-`DecisionBroadcast` makes rank 0 of the target's tensor-parallel group decide all three and sends the decision to the
+`DecisionBroadcast` makes rank 0 of the target's tensor-parallel group decide all four and sends the decision to the
 other ranks, so every rank emits the same tokens whatever its timings or random state. Everything else (emitting,
 finishing rows, cache bookkeeping) follows from these decisions deterministically. Outside a tensor-parallel run it
 is a no-op that returns its inputs.
@@ -61,6 +62,12 @@ class DecisionBroadcast:
         if not self.enabled:
             return lengths
         return self._broadcast(lengths)
+
+    def seed(self, seed: int) -> int:
+        """Rank 0's coupling seed of the call (a seed drawn from each rank's own generator may differ)."""
+        if not self.enabled:
+            return seed
+        return int(self._broadcast(torch.tensor([seed], dtype=torch.long))[0])
 
     def free_rows(self, free_rows: torch.BoolTensor | None, batch_size: int) -> torch.BoolTensor | None:
         """Rank 0's rows served by a model-free proposal (`[batch]` on the host), or its `None` (its policy gave no

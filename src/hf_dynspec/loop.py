@@ -32,7 +32,7 @@ from .candidates.rollout import RolloutSource
 from .candidates.tree import TokenTree, prefix_visibility
 from .clocks import Instant
 from .config import DynSpecConfig
-from .coupling import batch_keys, coupled_choice, stream_keys
+from .coupling import batch_keys, call_seed, coupled_choice, stream_keys
 from .devices import upload
 from .distributed import DecisionBroadcast
 from .packing import can_pack
@@ -183,7 +183,8 @@ class LoopRun:
         """`[rows]` each row's stream: the seed, its prompt without padding, its index among rows with that prompt."""
         real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
         prompts = [row[keep].tolist() for row, keep in zip(input_ids.cpu(), real.cpu())]
-        return stream_keys(prompts, self.config.seed, input_ids.device, across_ranks=not self.decisions.enabled)
+        seed = self.decisions.seed(call_seed(self.config.seed, self.config.reuse_rollouts))
+        return stream_keys(prompts, seed, input_ids.device, across_ranks=not self.decisions.enabled)
 
     def _max_draft_tokens(self) -> int:
         lookup = self.generation_config.prompt_lookup_num_tokens

@@ -13,7 +13,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedM
 
 from ..candidates.sources import SourceContext, build_source, source_name
 from ..config import DynSpecConfig
-from ..coupling import StreamBook
+from ..coupling import StreamBook, call_seed
 from ..policies import learned_policy
 from ..validation import check_vocabularies
 from .engine import GenerationOutput, workload_hints
@@ -69,7 +69,8 @@ def init_continuous_batching(
     policy = learned_policy(model, proposer.model, config, None, engine="continuous_batching")
     if config.tree_node_budget:
         _check_tree_attention(model)
-    streams = StreamBook(config.seed, config.coupling_keys) if config.sampling == "coupled" else None
+    coupled = config.sampling == "coupled"
+    streams = StreamBook(call_seed(config.seed, config.reuse_rollouts), config.coupling_keys) if coupled else None
     speculator = Speculator(model, proposer, policy, max_draft, config.tree_node_budget, streams)
     if config.reuse_rollouts:
         _reuse_rollouts(speculator, model, config)

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from ..candidates.rollout import RolloutSettings, rollout_cache_for
 from ..config import DynSpecConfig
-from ..coupling import response_keys
+from ..coupling import REUSE_SEED, response_keys
 from .bench import load_inputs, machine_description, run_benchmark, target_tokenizer
 from .rollout import forward_seconds, matched_seconds
 from .runner import left_pad, trim
@@ -51,7 +51,9 @@ COUPLED = "dynspec-nospec@coupled"
 """The loop without speculation, coupled: its rows are every coupled method's rows, and its forwards price them."""
 FIRST_EPOCH_METHODS = "dynspec-nospec,dynspec-nospec@coupled,dynspec-goodput,dynspec-goodput@coupled"
 SECOND_EPOCH_METHODS = "dynspec-nospec,dynspec-nospec@coupled,dynspec-goodput,dynspec-reuse:32,dynspec-reuse:32+draft"
-METHOD_OPTIONS = {"nospec@coupled": {"sampling": "coupled"}, "goodput@coupled": {"sampling": "coupled"}}
+METHOD_OPTIONS = {"nospec@coupled": {"sampling": "coupled", "seed": REUSE_SEED},
+                  "goodput@coupled": {"sampling": "coupled", "seed": REUSE_SEED}}
+"""Every coupled method samples with the seed the reusing methods use, so that all of them write the same rows."""
 MAX_REUSED_TOKENS = 32
 """Most tokens a row may take from the rollout cache in one step (the methods' `dynspec-reuse:32`, the bound's cap)."""
 
@@ -156,7 +158,8 @@ def sample_coupled(model, prompts: list[list[int]], settings: BenchSettings) -> 
         out = hf_dynspec.generate(
             model, input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=settings.max_new_tokens,
             pad_token_id=pad, **settings.sampling,
-            dynspec_config=DynSpecConfig(sampling="coupled", reuse_rollouts=True, num_speculative_tokens=0),
+            dynspec_config=DynSpecConfig(sampling="coupled", reuse_rollouts=True, seed=REUSE_SEED,
+                                         num_speculative_tokens=0),
         )
     return trim(out[:, ids.shape[1] :], set(eos))
 
@@ -181,7 +184,7 @@ def train_grpo(
     import hf_dynspec
 
     unique = list(dict.fromkeys(tuple(p) for p in prompts))
-    bound = DynSpecConfig(sampling="coupled", reuse_rollouts=True)
+    bound = DynSpecConfig(sampling="coupled", reuse_rollouts=True, seed=REUSE_SEED)
 
     class AfterUpdates(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

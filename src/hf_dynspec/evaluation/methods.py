@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import DynSpecConfig
+from ..coupling import REUSE_SEED
 
 POLICY_ALIASES = {"table": "batch_table"}
 """Short method names for policies (`dynspec-table` runs the `batch_table` policy)."""
@@ -236,7 +237,7 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         tag = base.partition("@")[2]
         options, fields = _config_fields(dict((policy_options or {}).get(f"reuse@{tag}" if tag else "reuse", {})))
         settings = {"policy": "goodput", "policy_options": options, "sampling": "coupled", "reuse_rollouts": True,
-                    **fields}
+                    "seed": REUSE_SEED, **fields}
         settings["prompt_lookup_max_tokens"] = _count(name, argument, fields.get("prompt_lookup_max_tokens", DEFAULT_LOOKUP_TOKENS))
         return Method(name, "dynspec", dynspec_config=DynSpecConfig(**settings))
     if base.partition("@")[0] in ("dynspec-tree", "dynspec-tree-lookup"):
