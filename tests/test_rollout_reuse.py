@@ -154,3 +154,17 @@ def test_reuse_needs_coupled_sampling():
 def test_an_unknown_keying_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"`coupling_keys` must be one of \[.context., .position.\], got .hash."):
         DynSpecConfig(sampling="coupled", coupling_keys="hash")
+
+
+def test_an_epoch_of_any_number_of_prompts_is_kept_whole_and_the_oldest_epoch_goes_first():
+    """A bound on the count dropped an epoch's first samples before the next epoch reached them (then that epoch,
+    visiting in the same order, found none); bounded by tokens, an epoch of 600 prompts x 8 samples is kept whole."""
+    cache = RolloutCache(RolloutSettings(max_tokens=3 * 4800))
+    for epoch in range(2):
+        for stream in range(4800):
+            if epoch:
+                assert cache.get(stream) is not None, stream  # the previous epoch's sample is still there
+            cache.store(stream, torch.full((3,), epoch))
+    assert cache.num_samples == 4800 and cache.get(0).dtype == torch.long and int(cache.get(0)[0]) == 1
+    cache.store(10_000, torch.arange(6))  # a new stream over the bound: the oldest samples go
+    assert cache.get(0) is None and cache.get(1) is None and cache.get(2) is not None and cache.get(10_000) is not None

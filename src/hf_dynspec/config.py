@@ -198,13 +198,15 @@ class DynSpecConfig:
                   "epoch reuses what the previous one sampled, exactly. Needs `sampling='coupled'`; greedy calls "
                   "reuse earlier greedy answers. `hf_dynspec.clear_rollouts(model)` empties the cache."},
     )
-    rollout_cache_samples: int = field(
-        default=4096,
-        metadata={"help": "Rollout cache: finished samples kept, at most (least recently stored out first)."},
+    rollout_cache_samples: int | None = field(
+        default=None,
+        metadata={"help": "Rollout cache: finished samples kept, at most (least recently stored out first); None: as "
+                  "many as `rollout_cache_tokens` holds, so an epoch of any number of prompts is kept whole."},
     )
     rollout_cache_tokens: int = field(
-        default=4194304,
-        metadata={"help": "Rollout cache: tokens of those samples kept, at most (least recently stored out first)."},
+        default=1 << 24,
+        metadata={"help": "Rollout cache: tokens of those samples kept, at most (least recently stored out first, so "
+                  "the oldest epoch goes first); 4 MiB per million tokens."},
     )
     narrow_linear: str = field(
         default="auto",
@@ -259,7 +261,8 @@ class DynSpecConfig:
         self._check_choice("coupling_keys", KEYINGS)
         if self.seed is not None:
             self._check_int("seed", minimum=0)
-        self._check_int("rollout_cache_samples", minimum=1)
+        if self.rollout_cache_samples is not None:
+            self._check_int("rollout_cache_samples", minimum=1)
         self._check_int("rollout_cache_tokens", minimum=1)
         if not isinstance(self.reuse_rollouts, bool):
             raise ValueError(f"`reuse_rollouts` must be a bool, got {self.reuse_rollouts!r}.")

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 class RolloutSettings:
     """What bounds a `RolloutCache` (from `DynSpecConfig`'s `rollout_cache_*` fields)."""
 
-    max_samples: int = 4096
-    max_tokens: int = 4194304
+    max_samples: int | None = None  # None: no bound on the count, only on the tokens
+    max_tokens: int = 1 << 24
 
     @classmethod
     def from_config(cls, config: DynSpecConfig) -> RolloutSettings:
@@ -76,10 +76,13 @@ class EarlierResponse:
 
 
 class RolloutCache:
-    """Finished responses by stream, least recently stored out first once over `max_samples` or `max_tokens`.
+    """Finished responses by stream, least recently stored out first once over `max_tokens` (or `max_samples`).
 
     A stream sampled again replaces its earlier response (the newest policy's sample is the best proposal for the
-    next visit). Responses are kept on the CPU as int64 token ids.
+    next visit) and becomes the newest, so the responses the cache lets go first are those of the oldest epoch.
+    Bounded by tokens alone (the default), an epoch of any number of prompts is kept whole while its tokens fit: a
+    bound on the count would drop the epoch's first samples before the next epoch reaches them, and that epoch, in
+    the same order, would then find none. Responses are kept on the CPU as int32 token ids: 4 MiB per million tokens.
     """
 
     def __init__(self, settings: RolloutSettings | None = None) -> None:
@@ -96,25 +99,28 @@ class RolloutCache:
         return self._tokens
 
     def get(self, stream: int) -> torch.LongTensor | None:
-        """`[length]` the response last stored for `stream`, or `None`."""
-        return self._responses.get(int(stream))
+        """`[length]` the response last stored for `stream` (int64), or `None`."""
+        response = self._responses.get(int(stream))
+        return None if response is None else response.long()
 
     def store(self, stream: int, response: torch.LongTensor) -> None:
         """Keep `response` (`[length]` token ids) as `stream`'s, evicting the least recently stored over the bounds."""
         stream = int(stream)
         if stream in self._responses:
             self._tokens -= int(self._responses.pop(stream).shape[0])
-        self._responses[stream] = response.detach().to("cpu", torch.long).clone()
+        self._responses[stream] = response.detach().to("cpu", torch.int32).clone()
         self._tokens += int(response.shape[0])
-        while len(self._responses) > 1 and (
-            len(self._responses) > self.settings.max_samples or self._tokens > self.settings.max_tokens
-        ):
+        while len(self._responses) > 1 and (self._over_count() or self._tokens > self.settings.max_tokens):
             _, oldest = self._responses.popitem(last=False)
             self._tokens -= int(oldest.shape[0])
 
+    def _over_count(self) -> bool:
+        limit = self.settings.max_samples
+        return limit is not None and len(self._responses) > limit
+
     def responses(self) -> dict[int, torch.LongTensor]:
-        """Every response kept, by stream (a snapshot: storing more changes the cache, not this dict)."""
-        return dict(self._responses)
+        """Every response kept, by stream (int64; a snapshot: storing more changes the cache, not this dict)."""
+        return {stream: response.long() for stream, response in self._responses.items()}
 
     def clear(self) -> None:
         self._responses.clear()
