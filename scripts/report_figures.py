@@ -83,6 +83,7 @@ AGENT_SUFFIX, CODEEDIT_SUFFIX = "bf16_agent_b1_suffix_amx.json", "bf16_codeedit_
 AGENT_HYBRID = "bf16_agent_b1_48_hybrid_amx.json"
 SUFFIX_HINDSIGHT_CODEEDIT = "suffix_headroom_codeedit_amx_96.json"
 ENVELOPE = {s: f"default_envelope/{s}_b1_48.json" for s in ("tools", "agent", "codeedit", "humaneval", "sharegpt")}
+FOLLOWUPS_AMX = "default_envelope/followups_b1_48_amx.json"
 ENVELOPE_HE_B16, ENVELOPE_SG_B16 = "default_envelope/humaneval_b1_b16_48.json", "default_envelope/sharegpt_b16_48.json"
 SERVE_TOOLS = "default_envelope/serve_tools_light_48.json"
 TREE_HE, TREE_SG, TREE_B16 = "tree_humaneval_b1_128.json", "tree_judge_sharegpt_b1.json", "tree_humaneval_b16.json"
@@ -453,6 +454,8 @@ SECTIONS = [
            lambda: (str(run(ENVELOPE["codeedit"], "dynspec-goodput")["copied_tokens"]),
                     span([v for r in load(ENVELOPE["codeedit"])["runs"] if r["method"] != "plain"
                           for v in r["speedup_repetitions"]]))),
+    Figure(REPORT, "built from Python's own sources) the default is the best, {} the draft alone",
+           lambda: (x(speed(FOLLOWUPS_AMX, "dynspec-goodput", "dynspec-draft")),)),
     Figure(REPORT, "on ShareGPT and HumanEval, with few copies, all four are within {}",
            lambda: (pct(max(envelope_spread(k) for k in ("sharegpt", "humaneval"))),)),
     Figure(REPORT, "{} plain against {}, [ShareGPT](benchmarks/default_envelope/sharegpt_b16_48.json) {} against {})",
@@ -496,8 +499,6 @@ SECTIONS = [
            lambda: (x(speed(CHEAP_FP32_AMX, "dynspec-goodput/4bit", "dynspec-goodput/fp32"), 3),)),
     Figure(REPORT, "and {} on the AMD EPYC, where the float32 draft never paid",
            lambda: (x(speed(CHEAP_FP32, "dynspec-goodput/4bit", "dynspec-goodput/fp32")),)),
-    Figure(REPORT, "(`draft_vocab_size`): `goodput` {} and {}",
-           lambda: tuple(x(speed(n, "dynspec-goodput", "dynspec-goodput@wholevocab")) for n in VOCABULARY)),
     Figure(REPORT, "`goodput` {} (HumanEval) and {} (ShareGPT) plain at batch 16, {} and {} at batch 1",
            lambda: (*(x(speed(FP32[k][1], "dynspec-goodput")) for k in ("humaneval", "sharegpt")),
                     *(x(speed(FP32[k][0], "dynspec-goodput")) for k in ("humaneval", "sharegpt")))),
