@@ -393,7 +393,7 @@ def check_figure(figure: Figure, text: str, outcome: Outcome) -> None:
     if expected in written:
         outcome.checked += 1
         return
-    pattern = re.escape(figure.sentence).replace(r"\{\}", r"(\S+?)")
+    pattern = re.escape(figure.sentence).replace(r"\{\}", r"([^\s,;)]+)")
     found = re.search(pattern, written)
     said = found.group(0) if found else "no such sentence"
     outcome.differences.append(f"{figure.page}: the report says «{said}», the results give «{expected}»")
