@@ -156,7 +156,8 @@ class LoopRun:
         self.proposer = loop_proposer(choice)
         if self.coupled:
             self.proposer.couple(self.streams, config.coupling_keys)
-        self.packs = config.packed_verify and can_pack(model)  # verify forwards compute only the real tokens
+        # verify forwards compute only the real tokens (not where the proposer reads the target's states per row)
+        self.packs = config.packed_verify and can_pack(model) and not self.proposer.reads_target_states
         self.max_draft = self._max_draft_tokens()
         # offers priced as model-free (prompt lookup alone is sized as a draft: `PromptLookupProposer`)
         free = isinstance(self.proposer, (HybridProposer, ModelFreeProposer))
@@ -277,6 +278,8 @@ class LoopRun:
         as draft and catch-up seconds, the rest as overhead); `(None, 0.0)` otherwise."""
         threshold = self.config.prefill_draft_confidence
         if threshold is None or self.proposer.model is None or self.config.num_speculative_tokens == 0:
+            return None, 0.0
+        if self.proposer.reads_target_states:  # it drafts from the prefill's states
             return None, 0.0
         lengths = (batch.remaining - 1).clamp(min=0, max=self.max_draft)  # [batch]
         if not bool((lengths > 0).any()):

@@ -10,6 +10,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from .devices import unloaded_parameters
+from .eagle3 import Eagle3Head
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def validate_inputs(
     _check_proposer(draft, generation_config, suffix, rollouts, coupled)
     _check_assistant_settings(generation_config)
     _check_model(model, "target model")
+    if isinstance(draft, Eagle3Head):
+        draft.bind(model)  # the head reads the target's states and embeddings: it must fit them
     if draft is not None:
         _check_model(draft, "draft model")
         if same_vocabulary:

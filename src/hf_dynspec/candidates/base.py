@@ -94,6 +94,9 @@ class BatchedProposer(ABC):
     #: each row drafts in model forwards of its own, so a step's draft time grows with the rows that draft (policies
     #: price it so, `PrefillFeedback.draft_rows_apart`); False: one forward drafts a token for the whole batch
     rows_apart: bool = False
+    #: the proposer reads the target's hidden states per row after each target forward (an EAGLE-3 head), so verify
+    #: forwards keep rows apart (no packing) and the prefill verifies nothing
+    reads_target_states: bool = False
 
     def start(self, batch: TokenBatch) -> None:
         """Begin a new `generate` call on `batch` (the prompt plus the first generated token)."""

@@ -14,10 +14,12 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from ..config import DynSpecConfig
+from ..eagle3 import Eagle3Head
 from ..placement import Placement
 from .base import BatchedProposer
 from .draft_model import DraftModelProposer
 from .draft_tree import DraftTreeProposer
+from .eagle_head import HeadProposer
 from .free import ModelFreeProposer, ModelFreeSource
 from .hybrid import HybridProposer
 from .prompt_lookup import LookupTreeProposer, PromptLookupProposer
@@ -68,6 +70,8 @@ def loop_proposer(self: LoopChoice) -> BatchedProposer:
             )
         lookup = self.generation_config.prompt_lookup_num_tokens  # None: coupled sampling with no proposer named
         return _lookup_proposer(self, int(lookup) if lookup is not None else self.config.prompt_lookup_max_tokens)
+    if isinstance(draft, Eagle3Head):
+        return _head_proposer(self)
     if self.translation is not None:
         vocab = self.model.config.get_text_config().vocab_size
         return TranslatedDraftProposer(draft, *self.translation, self.generation_config, vocab)
@@ -80,6 +84,19 @@ def loop_proposer(self: LoopChoice) -> BatchedProposer:
     if proposer != "draft" and self.config.num_speculative_tokens > 0:
         return HybridProposer(model, ModelFreeProposer(_source(self), self.config.prompt_lookup_max_tokens))
     return model
+
+
+def _head_proposer(self: LoopChoice) -> BatchedProposer:
+    """An EAGLE-3 head's chains, beside copies from the context unless `proposer="draft"`."""
+    if self.config.tree_node_budget or self.translation is not None:
+        raise ValueError(
+            "An EAGLE-3 head as `assistant_model` proposes chains with the target's tokenizer: set "
+            "`DynSpecConfig(tree_node_budget=0)` and pass no `assistant_tokenizer`."
+        )
+    head = HeadProposer(self.draft, self.model, self.logits_processor, self.generation_config, self.placement, self.config)
+    if self.config.proposer != "draft" and self.config.num_speculative_tokens > 0:
+        return HybridProposer(head, ModelFreeProposer(_source(self), self.config.prompt_lookup_max_tokens))
+    return head
 
 
 def _rollout_proposer(self: LoopChoice) -> BatchedProposer:

@@ -181,6 +181,10 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         self._fed_nodes = torch.cat(fed, 1) if fed else lengths.new_zeros((batch.batch_size, 0))
         return chain.proposal()
 
+    def inline_tail(self) -> int:
+        """Backlogs up to this width ride in the first draft forward (`MAX_INLINE_TAIL`)."""
+        return MAX_INLINE_TAIL
+
     def lookahead_tokens(self, base: int = 1) -> int:
         """Guess tokens a draft forward over `base` other tokens may carry (`draft_lookahead_tokens`, measured once
         per process)."""
@@ -366,7 +370,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor, torch.LongTensor]:
         """Feed all but the newest column of a tail wider than `MAX_INLINE_TAIL` in a timed forward of its own."""
         self.catchup_seconds, self.catchup_tokens = 0.0, 0
-        if ids.shape[1] <= MAX_INLINE_TAIL:
+        if ids.shape[1] <= self.inline_tail():
             return ids, mask, positions, host_mask
         start = self.placement.instant()
         self._forward(ids[:, :-1], mask[:, :-1], positions[:, :-1], host_mask=host_mask[:, :-1])

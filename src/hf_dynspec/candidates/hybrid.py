@@ -32,6 +32,10 @@ class HybridProposer(BatchedProposer):
         return self.draft.model
 
     @property
+    def reads_target_states(self) -> bool:
+        return self.draft.reads_target_states
+
+    @property
     def forwards(self) -> int:
         return self.draft.forwards
 

@@ -1,0 +1,158 @@
+"""An EAGLE-3 head proposes chains from the target's own hidden states (`hf_dynspec.eagle3`).
+
+The head is driven as a draft model (`DraftModelProposer`: its ragged cache, catch-up, sampling, coupled sampling and
+early stops), with three differences:
+- after every target forward, the target's states at the head's auxiliary layers are fused and kept per row and
+  position (`TargetTap`, forward pre-hooks on those layers: only they are read, no `output_hidden_states`);
+- a draft token's cache entry was computed from the head's own state, not the target's, so it never stays: accepted
+  draft tokens are fed again, with the target's states, in the next proposal's first forward, which carries the
+  whole step's backlog (a step's accepted tokens and bonus token) instead of catching it up apart;
+- no lookahead guesses: a guess at a drafted position would need the head's state at the position before it, which
+  the same forward computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+
+from ..config import DynSpecConfig
+from ..eagle3 import Eagle3Head, HeadInputs
+from ..placement import Placement
+from ..sequences import TokenBatch
+from .base import EarlyStop, Proposal
+from .draft_model import DraftModelProposer
+
+INITIAL_POSITIONS = 256
+"""Positions `HeadInputs` holds at first beyond the prompt (it doubles as rows grow)."""
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The decoder layers of a transformers causal LM (`model.model.layers` in most families)."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(
+            f"An EAGLE-3 head reads the target's decoder layers, and {type(model).__name__} keeps none under "
+            "`get_decoder().layers`; use a draft model with this target."
+        )
+    return layers
+
+
+class TargetTap:
+    """Forward pre-hooks on the target's auxiliary layers: each target forward's states there, fused by the head,
+    are written into `HeadInputs.target` at the forward's positions."""
+
+    def __init__(self, target: PreTrainedModel, head: Eagle3Head, inputs: HeadInputs) -> None:
+        layers = decoder_layers(target)
+        self.head, self.inputs = head, inputs
+        self.ids = head.aux_layer_ids(len(layers))
+        self.states: dict[int, torch.Tensor] = {}
+        self.positions: torch.LongTensor | None = None
+        self.handles = []
+        for index in sorted(set(self.ids)):
+            if index < len(layers):  # the input of layer `index`
+                hook = layers[index].register_forward_pre_hook(self._before(index), with_kwargs=True)
+            else:  # the last layer's output
+                hook = layers[-1].register_forward_hook(self._after(index), with_kwargs=True)
+            self.handles.append(hook)
+
+    def _before(self, index: int):
+        def hook(module, args, kwargs):
+            self._keep(index, args[0] if args else kwargs["hidden_states"], kwargs.get("position_ids"))
+
+        return hook
+
+    def _after(self, index: int):
+        def hook(module, args, kwargs, output):
+            self._keep(index, output[0] if isinstance(output, tuple) else output, kwargs.get("position_ids"))
+
+        return hook
+
+    def _keep(self, index: int, hidden: torch.Tensor, positions: torch.LongTensor | None) -> None:
+        """Keep one layer's states (`[batch, width, target_hidden]`); once every auxiliary layer has given its, fuse
+        them and write them at the forward's positions."""
+        if positions is not None:
+            self.positions = positions
+        self.states[index] = hidden
+        if len(self.states) < len(set(self.ids)):
+            return
+        states, self.states = self.states, {}
+        if hidden.shape[0] != self.inputs.target.shape[0] or self.positions is None:
+            return  # not a forward of this call's rows (a measurement)
+        device = self.head.fc.weight.device
+        with torch.no_grad():
+            fused = self.head.fuse([states[i].to(device) for i in self.ids])  # [batch, width, hidden]
+        positions = self.positions.to(device).expand(hidden.shape[0], -1)
+        self.inputs.write("target", positions, fused)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class HeadProposer(DraftModelProposer):
+    """Draft chains with an EAGLE-3 head over the target's hidden states."""
+
+    reads_target_states = True
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        target: PreTrainedModel,
+        logits_processor: LogitsProcessorList,
+        generation_config: GenerationConfig,
+        placement: Placement,
+        dynspec_config: DynSpecConfig | None = None,
+    ) -> None:
+        super().__init__(head, logits_processor, generation_config, placement, dynspec_config)
+        head.bind(target)
+        self.target = target
+        self.inputs: HeadInputs | None = None
+        self.tap: TargetTap | None = None
+
+    def start(self, batch: TokenBatch) -> None:
+        super().start(batch)
+        head = self.draft_model
+        width = batch.prompt_width + INITIAL_POSITIONS
+        self.inputs = HeadInputs(batch.batch_size, width, head.config.hidden_size, head.dtype, head.fc.weight.device)
+        head.inputs = self.inputs
+        if self.tap is not None:
+            self.tap.remove()
+        self.tap = TargetTap(self.target, head, self.inputs)
+
+    def inline_tail(self) -> int:
+        """The whole backlog of a step (its accepted draft tokens and bonus token) rides in the first forward."""
+        return self.config.num_speculative_tokens + 2
+
+    def lookahead_tokens(self, base: int = 1) -> int:
+        return 0
+
+    def propose(
+        self,
+        batch: TokenBatch,
+        lengths: torch.LongTensor,
+        early_stop: EarlyStop | None = None,
+        free_rows: torch.BoolTensor | None = None,
+        node_budgets: torch.LongTensor | None = None,
+    ) -> Proposal:
+        self.inputs.committed = batch.num_real.to(self.inputs.committed.device)  # the target's states end before
+        return super().propose(batch, lengths, early_stop, free_rows, node_budgets)
+
+    def commit(self, batch: TokenBatch, proposal: Proposal, kept: torch.BoolTensor) -> None:
+        """Only the backlog's cache entries stay: accepted draft tokens are fed again with the target's states."""
+        root_only = torch.zeros_like(kept)
+        root_only[:, 0] = kept[:, 0]
+        super().commit(batch, proposal, root_only)
+
+    def select_rows(self, keep: torch.LongTensor) -> None:
+        super().select_rows(keep)
+        self.inputs.select_rows(keep.to(self.inputs.target.device))
+
+    def release(self) -> None:
+        super().release()
+        if self.tap is not None:
+            self.tap.remove()
+        self.tap, self.inputs = None, None
+        self.draft_model.inputs = None

@@ -1,0 +1,175 @@
+"""EAGLE-3 heads: exact output with a head as the proposer, the target's states it reads, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_prompts, tiny_model
+from test_sampling import VOCAB as SMALL_VOCAB
+from test_sampling import assert_converges, exact_joint, sample_loop
+from transformers import LlamaConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import hf_dynspec
+from hf_dynspec import DynSpecConfig
+from hf_dynspec.eagle3 import Eagle3Head, Eagle3Settings, HeadInputs, HeadLoadError, read_config
+
+
+def random_head(target, draft_vocab: int | None = None, seed: int = 0, aux=None, layers: int = 1, **settings) -> Eagle3Head:
+    """A random EAGLE-3 head for `target` whose draft vocabulary is a random subset of `draft_vocab` target ids."""
+    text = target.config
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=text.rms_norm_eps,
+    )
+    draft_vocab = draft_vocab or text.vocab_size
+    head = Eagle3Head(config, Eagle3Settings(draft_vocab_size=draft_vocab, aux_layer_ids=aux, **settings))
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.normal_(0, 0.3)
+        ids = torch.randperm(text.vocab_size)[:draft_vocab].sort().values
+        head.d2t.copy_(ids - torch.arange(draft_vocab))
+    return head.to(target.dtype).eval()
+
+
+def mirror_head(target) -> Eagle3Head:
+    """A head that predicts what the target predicts, for a target whose embeddings are tiny (so its residual stream
+    is its first layer's output) and whose later layers add nothing: the head's first layer is the target's first
+    (attending over the embedding half of its input), the state it reads is normalised to zero before it enters
+    attention and the residual stream (`norm_before_residual`), and norm and output layer are the target's."""
+    head = random_head(target, aux=[0, 1, 1], norm_before_residual=True)
+    layer = target.model.layers[0]
+    with torch.no_grad():
+        head.layers[0].hidden_norm.weight.zero_()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ours, theirs = getattr(head.layers[0].self_attn, name), getattr(layer.self_attn, name)
+            ours.weight.zero_()
+            ours.weight[:, : theirs.weight.shape[1]] = theirs.weight
+        head.layers[0].self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
+        head.layers[0].mlp.load_state_dict(layer.mlp.state_dict())
+        head.layers[0].input_layernorm.load_state_dict(layer.input_layernorm.state_dict())
+        head.layers[0].post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
+        head.norm.load_state_dict(target.model.norm.state_dict())
+        head.lm_head.weight.copy_(target.lm_head.weight)
+        head.d2t.zero_()
+    return head
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    """A target with tiny embeddings (its norms' epsilon tinier still) and silent later layers, and its
+    `mirror_head`."""
+    target = tiny_model("llama", seed=3, num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-30)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(1e-6)
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return target, mirror_head(target)
+
+
+def generate(target, head, ids, mask, **config):
+    return target.generate(
+        ids, attention_mask=mask, max_new_tokens=config.pop("new", 24), do_sample=False, assistant_model=head,
+        custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
+        dynspec_config=DynSpecConfig(**config),
+    )
+
+
+@pytest.mark.parametrize(
+    ("lengths", "proposer", "k", "draft_vocab"),
+    [([7], "draft", 4, None), ([5, 9, 3], "draft", 3, 40), ([6, 6], "auto", 5, 64), ([4, 11, 8, 2], "auto", 2, 20)],
+)
+def test_greedy_tokens_match_plain_decoding(lengths, proposer, k, draft_vocab):
+    target = tiny_model("llama", seed=1, num_hidden_layers=5)
+    head = random_head(target, draft_vocab, seed=len(lengths))
+    ids, mask = left_padded_prompts(lengths, seed=k)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    out = generate(target, head, ids, mask, proposer=proposer, num_speculative_tokens=k)
+    assert torch.equal(out.sequences, plain)
+    assert out.dynspec_stats.draft_forwards > 0
+
+
+def test_a_head_that_mirrors_the_target_has_every_token_accepted(mirrored):
+    target, head = mirrored
+    ids, mask = left_padded_prompts([9, 4, 12], seed=5)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = generate(target, head, ids, mask, new=30, proposer="draft", policy="static", num_speculative_tokens=4)
+    stats = out.dynspec_stats
+    assert torch.equal(out.sequences, plain)
+    assert stats.accepted_tokens == stats.draft_tokens > 0
+    assert stats.target_forwards <= 1 + 3 * (30 // 5 + 1)  # the prefill, then five tokens a verify per row
+
+
+def test_the_head_reads_the_targets_states_at_its_layers(monkeypatch):
+    """Every state a head forward reads below a row's committed tokens is the target's, fused, at the position before:
+    the tap keys what it reads from verify forwards (chains, left padding, rows leaving) by row and position."""
+    target = tiny_model("llama", seed=2, num_hidden_layers=6)
+    head = random_head(target, aux=[1, 3, 5], seed=4)
+    ids, mask = left_padded_prompts([6, 10, 3], seed=2)
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    original = HeadInputs.before
+
+    def spy(self, positions):
+        states = original(self, positions)
+        seen.append((positions.clone(), self.committed.clone(), states.clone()))
+        return states
+
+    monkeypatch.setattr(HeadInputs, "before", spy)
+    out = generate(target, head, ids, mask, proposer="draft", num_speculative_tokens=3, new=12)
+    sequences = out.sequences
+    real = torch.cat([mask, torch.ones_like(sequences[:, mask.shape[1] :])], 1)
+    with torch.no_grad():
+        positions = (real.cumsum(-1) - 1).clamp(min=0)  # as the loop counts them
+        hidden = target(sequences, attention_mask=real, position_ids=positions, output_hidden_states=True).hidden_states
+        fused = head.fuse([hidden[i] for i in (1, 3, 5)])  # [rows, width, hidden] by column
+    checked = 0
+    for positions, committed, states in seen:
+        if positions.shape[0] != sequences.shape[0]:
+            continue  # a forward after some rows finished: rows no longer line up with the call's
+        for row in range(positions.shape[0]):
+            offset = int((mask[row] == 0).sum())  # left padding before position 0
+            for column, position in enumerate(positions[row].tolist()):
+                if 0 < position < int(committed[row]):
+                    expected = fused[row, offset + position - 1]
+                    torch.testing.assert_close(states[row, column], expected, rtol=1e-6, atol=1e-6)
+                    checked += 1
+    assert checked > 10
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_target_with_a_head_as_proposer():
+    target = tiny_model("llama", seed=4, vocab=SMALL_VOCAB, eos_token_id=None, num_hidden_layers=4)
+    target.generation_config.eos_token_id = None
+    head = random_head(target, draft_vocab=4, seed=9)  # q is zero on two of the six tokens
+    prompt = torch.tensor([3, 4, 5, 3, 2])
+    temperature, top_k = 0.9, 5
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    with torch.no_grad():
+        law = exact_joint(target, prompt, processors)
+    torch.manual_seed(0)
+    samples: dict[int, torch.Tensor] = {}
+
+    def draw(n: int) -> torch.Tensor:
+        if n not in samples:
+            samples[n] = sample_loop(target, head, prompt, 3, n, temperature, top_k)
+        return samples[n]
+
+    assert_converges(draw, law, sizes=(200, 2_000, 20_000))
+
+
+def test_a_head_that_does_not_fit_the_target_is_refused_with_what_differs():
+    target = tiny_model("llama", seed=1, num_hidden_layers=4)
+    ids, mask = left_padded_prompts([5], seed=1)
+    wider = tiny_model("llama", seed=1, num_hidden_layers=4, hidden_size=48)
+    with pytest.raises(HeadLoadError, match="width 48"):
+        generate(target, random_head(wider), ids, mask)
+    with pytest.raises(HeadLoadError, match=r"auxiliary layer ids \[9\]"):
+        generate(target, random_head(target, aux=[1, 2, 9]), ids, mask)
+    with pytest.raises(ValueError, match="tree_node_budget=0"):
+        generate(target, random_head(target), ids, mask, tree_node_budget=6)
+
+
+def test_a_config_that_is_no_head_is_refused():
+    with pytest.raises(HeadLoadError, match="not an EAGLE-3 head"):
+        read_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 32})
