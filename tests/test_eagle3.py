@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LogitsProcessorList, TemperatureLogitsWarp
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.eagle3 import Eagle3Head, Eagle3Settings, HeadInputs, HeadLoadError, read_config
+from hf_dynspec.evaluation.overhead import mirror_head
 
 
 def random_head(target, draft_vocab: int | None = None, seed: int = 0, aux=None, layers: int = 1, **settings) -> Eagle3Head:
@@ -30,29 +31,6 @@ def random_head(target, draft_vocab: int | None = None, seed: int = 0, aux=None,
         ids = torch.randperm(text.vocab_size)[:draft_vocab].sort().values
         head.d2t.copy_(ids - torch.arange(draft_vocab))
     return head.to(target.dtype).eval()
-
-
-def mirror_head(target) -> Eagle3Head:
-    """A head that predicts what the target predicts, for a target whose embeddings are tiny (so its residual stream
-    is its first layer's output) and whose later layers add nothing: the head's first layer is the target's first
-    (attending over the embedding half of its input), the state it reads is normalised to zero before it enters
-    attention and the residual stream (`norm_before_residual`), and norm and output layer are the target's."""
-    head = random_head(target, aux=[0, 1, 1], norm_before_residual=True)
-    layer = target.model.layers[0]
-    with torch.no_grad():
-        head.layers[0].hidden_norm.weight.zero_()
-        for name in ("q_proj", "k_proj", "v_proj"):
-            ours, theirs = getattr(head.layers[0].self_attn, name), getattr(layer.self_attn, name)
-            ours.weight.zero_()
-            ours.weight[:, : theirs.weight.shape[1]] = theirs.weight
-        head.layers[0].self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
-        head.layers[0].mlp.load_state_dict(layer.mlp.state_dict())
-        head.layers[0].input_layernorm.load_state_dict(layer.input_layernorm.state_dict())
-        head.layers[0].post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
-        head.norm.load_state_dict(target.model.norm.state_dict())
-        head.lm_head.weight.copy_(target.lm_head.weight)
-        head.d2t.zero_()
-    return head
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,7 @@ class Eagle3Head(PreTrainedModel):
         self.embed_tokens: nn.Embedding | None = None  # the head's own, when its folder has one
         self.inputs: HeadInputs | None = None  # set by the proposer for the length of a call
         self._target_embeddings: tuple[nn.Module, ...] = ()  # the target's input embeddings (not a submodule)
+        self.same_vocabulary = False  # set by `bind`
         self.post_init()
 
     # ---- the pieces the loop reads -----------------------------------------------------------------------------
@@ -205,6 +206,8 @@ class Eagle3Head(PreTrainedModel):
                 + "; ".join(problems) + ". Use the head trained for this target."
             )
         self._target_embeddings = (target.get_input_embeddings(),)
+        # the draft vocabulary is the target's, in its order: logits need no mapping (read once, not per forward)
+        self.same_vocabulary = self.settings.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """The target's auxiliary states (each `[..., target_hidden]`) fused into one `[..., hidden]` state."""
@@ -254,6 +257,8 @@ class Eagle3Head(PreTrainedModel):
         self.inputs.write("own", position_ids, out)
         kept = out[:, -logits_to_keep:] if logits_to_keep else out
         scores = self.draft_logits(kept).float()  # [batch, keep, draft_vocab]
+        if self.same_vocabulary:
+            return CausalLMOutputWithPast(logits=scores)  # the draft vocabulary is the target's
         logits = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
         logits[..., self.target_ids] = scores
         return CausalLMOutputWithPast(logits=logits)

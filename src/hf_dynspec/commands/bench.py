@@ -9,6 +9,7 @@ hf-dynspec bench --scenario rollout --out rollout.json --plots plots/
 hf-dynspec bench --scenario rollout-epochs --updates 1,4 --learning-rate 1e-5 --out epochs.json --plots plots/
 hf-dynspec bench --tiny --methods plain,hf-assisted,dynspec-static:4 --batch-sizes 1,4
 hf-dynspec bench --scenario offload --out offload.json
+hf-dynspec bench --scenario overhead --repetitions 3 --out overhead.json
 hf-dynspec bench --scenario serve --out serve.json --plots plots/
 hf-dynspec bench --scenario serve --through server --num-prompts 4 --methods cb-plain,cb-draft --out served.json
 hf-dynspec bench --draft qwen2.5-coder-0.5b@8bit --target-dtype bfloat16 --batch-sizes 1
@@ -112,7 +113,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0] + "\n\nRegistry models:\n" + describe_registry(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="fixed",
+    parser.add_argument("--scenario", choices=sorted([*SCENARIOS, "overhead"]), default="fixed",
                         help="Preset (dataset, batch sizes, methods, output lengths); other flags override it.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="Registry name, local path or Hub id.")
     parser.add_argument("--draft", default=DEFAULT_DRAFT,
@@ -216,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluation.report import markdown_table, summary_line
     from ..evaluation.rollout import rollout_table
 
+    if args.scenario == "overhead":
+        return _run_overhead(args)
     try:
         settings = settings_from_args(args)
         if settings.scenario == "serve":
@@ -241,6 +244,26 @@ def run(args: argparse.Namespace) -> int:
 
         for path in write_plots(results, args.plots):
             print(f"Plot: {path}")
+    return 0
+
+
+def _run_overhead(args: argparse.Namespace) -> int:
+    """The launch-bound proxy (`hf_dynspec.evaluation.overhead`): its table and JSON."""
+    from ..evaluation.overhead import OVERHEAD_METHODS, measure_overhead, overhead_table
+
+    methods = tuple(args.methods.split(",")) if args.methods else OVERHEAD_METHODS
+    unknown = sorted(set(methods) - set(OVERHEAD_METHODS))
+    if unknown:
+        raise SystemExit(f"hf-dynspec bench: the overhead scenario runs {', '.join(OVERHEAD_METHODS)}; got {unknown}")
+    results = measure_overhead(
+        num_prompts=args.num_prompts or 16, new=args.max_new_tokens or 48, repetitions=args.repetitions,
+        methods=methods, progress=not args.quiet, seed=args.seed,
+    )
+    print(overhead_table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"\nResults: {args.out}")
     return 0
 
 
