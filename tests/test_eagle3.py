@@ -151,3 +151,9 @@ def test_a_head_that_does_not_fit_the_target_is_refused_with_what_differs():
 def test_a_config_that_is_no_head_is_refused():
     with pytest.raises(HeadLoadError, match="not an EAGLE-3 head"):
         read_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 32})
+
+
+def test_continuous_batching_refuses_a_head_with_what_to_use():
+    target = tiny_model("llama", seed=1, num_hidden_layers=4)
+    with pytest.raises(ValueError, match="EAGLE-3 heads draft in `generate`"):
+        hf_dynspec.generate_batch(target, [[5, 6, 7]], assistant_model=random_head(target), max_new_tokens=4)

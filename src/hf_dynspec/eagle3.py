@@ -206,6 +206,10 @@ class Eagle3Head(PreTrainedModel):
                 + "; ".join(problems) + ". Use the head trained for this target."
             )
         self._target_embeddings = (target.get_input_embeddings(),)
+        theirs = self._target_embeddings[0].weight
+        if self.embed_tokens is not None and self.embed_tokens.weight.shape == theirs.shape:
+            if theirs.device.type != "meta" and torch.equal(self.embed_tokens.weight, theirs.to(self.embed_tokens.weight)):
+                self.embed_tokens = None  # a copy of the target's (the speculators format saves one): share theirs
         # the draft vocabulary is the target's, in its order: logits need no mapping (read once, not per forward)
         self.same_vocabulary = self.settings.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
 
@@ -282,8 +286,7 @@ class Eagle3Head(PreTrainedModel):
         renamed = {_rename(name): tensor for name, tensor in weights.items()}
         renamed = {n: t for n, t in renamed.items() if not n.startswith(("verifier_", "t2d"))}
         if "embed_tokens.weight" in renamed:
-            table = renamed.pop("embed_tokens.weight")
-            self.embed_tokens = nn.Embedding(*table.shape, _weight=table.clone())
+            self.embed_tokens = nn.Embedding(*renamed["embed_tokens.weight"].shape)
         if "d2t" not in renamed:
             if self.settings.draft_vocab_size != self.config.vocab_size:
                 raise HeadLoadError(
@@ -343,9 +346,15 @@ def _read_specforge(config: dict) -> tuple[LlamaConfig, Eagle3Settings]:
     return _layer_config(config), settings
 
 
+IGNORED_LAYER_FIELDS = ("architectures", "model_type", "eagle_config", "auto_map", "layer_types", "sliding_window",
+                        "use_sliding_window")
+"""Config fields the head's layers do not take: a head attends over every position of its cache (the `speculators`
+trainer marks its layer `sliding_attention` with a window of 2048, longer than what it drafts from in practice)."""
+
+
 def _layer_config(fields: dict) -> LlamaConfig:
     """A `LlamaConfig` for the head's decoder layers, with SDPA attention."""
-    keep = {k: v for k, v in fields.items() if k not in ("architectures", "model_type", "eagle_config", "auto_map")}
+    keep = {k: v for k, v in fields.items() if k not in IGNORED_LAYER_FIELDS}
     config = LlamaConfig(**keep)
     config._attn_implementation = "sdpa"
     return config

@@ -14,6 +14,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedM
 from ..candidates.sources import SourceContext, build_source, source_name
 from ..config import DynSpecConfig
 from ..coupling import StreamBook, call_seed
+from ..eagle3 import Eagle3Head
 from ..policies import learned_policy
 from ..validation import check_vocabularies
 from .engine import GenerationOutput, workload_hints
@@ -146,6 +147,11 @@ def _draft_proposer(
             "Under continuous batching a draft model takes no `prompt_lookup_num_tokens`: drop it, and use "
             "DynSpecConfig(proposer='hybrid') for prompt lookup beside the draft model (up to "
             "`prompt_lookup_max_tokens` tokens a step)."
+        )
+    if isinstance(assistant_model, Eagle3Head):
+        raise ValueError(
+            "EAGLE-3 heads draft in `generate` (`hf_dynspec.speculative_loop`, `hf_dynspec.generate`); under "
+            "continuous batching pass a draft model as `assistant_model`, or prompt lookup or suffix trees."
         )
     check_vocabularies(model, assistant_model)
     check_attention(assistant_model)
