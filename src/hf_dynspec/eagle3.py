@@ -22,6 +22,7 @@ Layer ids follow vLLM: auxiliary layer `L` is the input of the target's decoder 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ from transformers import LlamaConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+LAYER_CACHE = "cache" if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else "past_key_values"
+MASK_CACHE = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+"""What transformers calls the KV cache argument of decoder layers and masks (`past_key_values` before 5.2x)."""
 
 SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 """`architectures` of heads in the SpecForge / EAGLE format."""
@@ -232,8 +237,8 @@ class Eagle3Head(PreTrainedModel):
         hidden = torch.cat([embeds, before.to(embeds.dtype)], dim=-1)  # [batch, width, 2 * hidden]
         rotary = self.rotary_emb(embeds, position_ids=positions)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
-                           position_embeddings=rotary)
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
+                           position_embeddings=rotary, **{LAYER_CACHE: cache})
         return self.norm(hidden) if self.settings.norm_output else hidden
 
     def forward(
@@ -255,7 +260,8 @@ class Eagle3Head(PreTrainedModel):
             raise ValueError("An EAGLE-3 head needs the tokens' position ids.")
         embeds = self.get_input_embeddings()(input_ids.to(self.fc.weight.device)).to(self.fc.weight.dtype)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+            config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+            **{MASK_CACHE: cache},
         )
         out = self.step(embeds, self.inputs.before(position_ids), position_ids, mask, cache)  # [batch, width, hidden]
         self.inputs.write("own", position_ids, out)
