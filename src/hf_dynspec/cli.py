@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "hf_dynspec.commands.demo",
     "hf_dynspec.commands.export_hub",
     "hf_dynspec.commands.serve",
+    "hf_dynspec.commands.train_head",
 ]
 
 
