@@ -153,7 +153,41 @@ def test_a_config_that_is_no_head_is_refused():
         read_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 32})
 
 
-def test_continuous_batching_refuses_a_head_with_what_to_use():
-    target = tiny_model("llama", seed=1, num_hidden_layers=4)
-    with pytest.raises(ValueError, match="EAGLE-3 heads draft in `generate`"):
-        hf_dynspec.generate_batch(target, [[5, 6, 7]], assistant_model=random_head(target), max_new_tokens=4)
+@pytest.mark.parametrize(("proposer", "page", "budget", "tree"), [("draft", 16, 256, 0), ("auto", 4, 12, 0), ("draft", 8, 64, 6)])
+def test_continuous_batching_with_a_head_gives_generates_tokens(proposer, page, budget, tree):
+    """Request by request, `generate_batch` with a head gives what plain decoding gives (small pages put drafts
+    across blocks, a small step budget cuts drafts and catch-ups, trees of the chain and its alternatives)."""
+    from test_continuous import cb_config, greedy, run, speculating
+
+    target = tiny_model("llama", seed=1, num_hidden_layers=5)
+    head = random_head(target, draft_vocab=48, seed=2)
+    prompts = [left_padded_prompts([n], seed=n)[0][0].tolist() for n in (5, 9, 13, 7)]
+    expected = [target.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, eos_token_id=1,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    expected = [tokens[: tokens.index(1) + 1] if 1 in tokens else tokens for tokens in expected]
+    config = DynSpecConfig(num_speculative_tokens=4, policy="static", proposer=proposer, tree_node_budget=tree)
+    manager = speculating(target, generation_config=greedy(30), cb=cb_config(page, max_batch_tokens=budget),
+                          dynspec_config=config, assistant_model=head)
+    try:
+        got = list(run(manager, prompts, 30).values())
+    finally:
+        manager.stop(block=True)
+    assert got == expected
+    assert manager.speculation.draft_tokens > 0
+
+
+def test_continuous_batching_with_a_mirror_head_accepts_every_token(mirrored):
+    from test_continuous import greedy, run, speculating
+
+    target, head = mirrored
+    target.generation_config.eos_token_id = None
+    prompts = [left_padded_prompts([n], seed=n)[0][0].tolist() for n in (6, 11, 4)]
+    config = DynSpecConfig(num_speculative_tokens=4, policy="static", proposer="draft")
+    manager = speculating(target, generation_config=greedy(25, eos_token_id=None), dynspec_config=config,
+                          assistant_model=head)
+    try:
+        run(manager, prompts, 25)
+    finally:
+        manager.stop(block=True)
+    stats = manager.speculation
+    assert stats.accepted_tokens == stats.draft_tokens > 0

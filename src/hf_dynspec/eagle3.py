@@ -89,43 +89,62 @@ class Eagle3FirstLayer(LlamaDecoderLayer):
 
 
 class HeadInputs:
-    """What a head reads besides token ids, per row of the loop's batch and real position: the target's fused
-    auxiliary states (`target`, written by `TargetTap` after each target forward) and the head's own output states
-    (`own`, written by each head forward). A token at position `p` reads the state at `p - 1`: the target's where the
-    target has computed it (`p < committed`, the row's committed tokens), the head's own while it drafts past them."""
+    """What a head reads besides token ids, per slot and real position: the target's fused auxiliary states
+    (`target`, written by `TargetTap` after each target forward) and the head's own output states (`own`, written by
+    each head forward). A slot is a row of the loop's batch, or a request under continuous batching. A token at
+    position `p` reads the state at `p - 1`: the target's where the target has computed it (`p < committed`, the
+    slot's committed tokens), the head's own while it drafts past them. `columns` names the slot of each column of
+    the forward that runs (`[batch, width]`; `None`: row `b` is slot `b`)."""
 
-    def __init__(self, rows: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.target = torch.zeros((rows, width, hidden), dtype=dtype, device=device)  # [rows, width, hidden]
-        self.own = torch.zeros_like(self.target)  # [rows, width, hidden]
-        self.committed = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
+    def __init__(self, slots: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.target = torch.zeros((slots, width, hidden), dtype=dtype, device=device)  # [slots, width, hidden]
+        self.own = torch.zeros_like(self.target)  # [slots, width, hidden]
+        self.committed = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
+        self.columns: torch.LongTensor | None = None
 
-    def ensure(self, width: int) -> None:
-        """Room for positions below `width` (doubling)."""
-        if width <= self.target.shape[1]:
+    def ensure(self, slots: int, width: int) -> None:
+        """Room for `slots` slots and positions below `width` (each doubling)."""
+        have_slots, have_width = self.target.shape[:2]
+        if slots <= have_slots and width <= have_width:
             return
-        grown = max(width, 2 * self.target.shape[1])
-        pad = (0, 0, 0, grown - self.target.shape[1])
+        grown_slots = have_slots if slots <= have_slots else max(slots, 2 * have_slots)
+        grown_width = have_width if width <= have_width else max(width, 2 * have_width)
+        pad = (0, 0, 0, grown_width - have_width, 0, grown_slots - have_slots)
         self.target = nn.functional.pad(self.target, pad)
         self.own = nn.functional.pad(self.own, pad)
+        self.committed = nn.functional.pad(self.committed, (0, grown_slots - have_slots))
+
+    def slots_of(self, positions: torch.LongTensor) -> torch.LongTensor:
+        """`[batch, width]` the slot of each column of a forward over `positions`."""
+        if self.columns is not None:
+            return self.columns.to(positions.device)
+        return torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
 
     def before(self, positions: torch.LongTensor) -> torch.Tensor:
         """`[batch, width, hidden]` the state each token reads: at position `positions - 1` (zeros at position 0)."""
+        slots = self.slots_of(positions).clamp(min=0)
         previous = (positions - 1).clamp(min=0, max=self.target.shape[1] - 1)  # [batch, width]
-        index = previous.unsqueeze(-1).expand(-1, -1, self.target.shape[-1])
-        from_target = positions < self.committed.unsqueeze(1)  # [batch, width]
-        state = torch.where(from_target.unsqueeze(-1), self.target.gather(1, index), self.own.gather(1, index))
+        from_target = positions < self.committed[slots]  # [batch, width]
+        state = torch.where(from_target.unsqueeze(-1), self.target[slots, previous], self.own[slots, previous])
         return state * (positions > 0).unsqueeze(-1)
 
     def write(self, whose: str, positions: torch.LongTensor, states: torch.Tensor) -> None:
         """Write `states` (`[batch, width, hidden]`) at `positions` (`[batch, width]`) of the `"target"` or `"own"`
-        states; where a row repeats a position (left padding sits at position 0 before the first real token), its
-        last column wins."""
-        self.ensure(int(positions.max()) + 1)
+        states of each column's slot (columns of slot -1 belong to no one); where a slot repeats a position in a row
+        (left padding sits at position 0 before the first real token), its last column wins."""
+        slots = self.slots_of(positions)
+        self.ensure(int(slots.max()) + 1, int(positions.max()) + 1)
         store = self.target if whose == "target" else self.own
-        last = torch.ones_like(positions, dtype=torch.bool)
-        last[:, :-1] = positions[:, :-1] != positions[:, 1:]  # [batch, width]
+        last = slots >= 0
+        last[:, :-1] &= (positions[:, :-1] != positions[:, 1:]) | (slots[:, :-1] != slots[:, 1:])  # [batch, width]
         rows, columns = last.nonzero(as_tuple=True)
-        store[rows, positions[rows, columns]] = states[rows, columns].to(store.dtype)
+        store[slots[rows, columns], positions[rows, columns]] = states[rows, columns].to(store.dtype)
+
+    def clear(self, slot: int) -> None:
+        """Forget a slot's states (a request left)."""
+        self.committed[slot] = 0
+        self.target[slot].zero_()
+        self.own[slot].zero_()
 
     def select_rows(self, keep: torch.LongTensor) -> None:
         self.target, self.own, self.committed = self.target[keep], self.own[keep], self.committed[keep]
@@ -231,14 +250,17 @@ class Eagle3Head(PreTrainedModel):
         """`[..., draft_vocab]` logits from the last layer's output states `[..., hidden]`."""
         return self.lm_head(hidden if self.settings.norm_output else self.norm(hidden))
 
-    def step(self, embeds: torch.Tensor, before: torch.Tensor, positions: torch.LongTensor, mask, cache) -> torch.Tensor:
+    def step(
+        self, embeds: torch.Tensor, before: torch.Tensor, positions: torch.LongTensor, mask, cache, **kwargs
+    ) -> torch.Tensor:
         """The decoder over `[batch, width]` tokens: their embeddings and the states they read (`[batch, width,
-        hidden]` each) -> the last layer's output states (`[batch, width, hidden]`, normalised with `norm_output`)."""
+        hidden]` each) -> the last layer's output states (`[batch, width, hidden]`, normalised with `norm_output`).
+        `kwargs` reach attention (a paged cache's sequence bounds under continuous batching)."""
         hidden = torch.cat([embeds, before.to(embeds.dtype)], dim=-1)  # [batch, width, 2 * hidden]
         rotary = self.rotary_emb(embeds, position_ids=positions)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
-                           position_embeddings=rotary, **{LAYER_CACHE: cache})
+                           position_embeddings=rotary, **{LAYER_CACHE: cache}, **kwargs)
         return self.norm(hidden) if self.settings.norm_output else hidden
 
     def forward(
@@ -255,7 +277,7 @@ class Eagle3Head(PreTrainedModel):
         tokens whose preceding states `HeadInputs` holds."""
         if self.inputs is None:
             raise RuntimeError("An EAGLE-3 head drafts inside the speculative loop, which feeds it the target's states.")
-        cache = cache if cache is not None else kwargs.get("past_key_values")
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         if position_ids is None:
             raise ValueError("An EAGLE-3 head needs the tokens' position ids.")
         embeds = self.get_input_embeddings()(input_ids.to(self.fc.weight.device)).to(self.fc.weight.dtype)
@@ -263,9 +285,13 @@ class Eagle3Head(PreTrainedModel):
             config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
             **{MASK_CACHE: cache},
         )
-        out = self.step(embeds, self.inputs.before(position_ids), position_ids, mask, cache)  # [batch, width, hidden]
+        before = self.inputs.before(position_ids)  # [batch, width, hidden]
+        out = self.step(embeds, before, position_ids, mask, cache, **kwargs)  # [batch, width, hidden]
         self.inputs.write("own", position_ids, out)
-        kept = out[:, -logits_to_keep:] if logits_to_keep else out
+        if isinstance(logits_to_keep, torch.Tensor):
+            kept = out[:, logits_to_keep]  # packed positions (continuous batching)
+        else:
+            kept = out[:, -logits_to_keep:] if logits_to_keep else out
         scores = self.draft_logits(kept).float()  # [batch, keep, draft_vocab]
         if self.same_vocabulary:
             return CausalLMOutputWithPast(logits=scores)  # the draft vocabulary is the target's

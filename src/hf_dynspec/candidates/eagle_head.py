@@ -13,6 +13,8 @@ early stops), with three differences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
@@ -39,13 +41,18 @@ def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     return layers
 
 
+Columns = Callable[[int, int], "torch.LongTensor | None"]
+"""`(batch, width)` of a target forward -> the `HeadInputs` slot of each of its columns (`[batch, width]`, -1 for
+columns of no slot), or `None` when the forward is not one of the engine's steps (a measurement)."""
+
+
 class TargetTap:
     """Forward pre-hooks on the target's auxiliary layers: each target forward's states there, fused by the head,
-    are written into `HeadInputs.target` at the forward's positions."""
+    are written into `HeadInputs.target` at the forward's positions, in the slots `columns` names."""
 
-    def __init__(self, target: PreTrainedModel, head: Eagle3Head, inputs: HeadInputs) -> None:
+    def __init__(self, target: PreTrainedModel, head: Eagle3Head, inputs: HeadInputs, columns: Columns) -> None:
         layers = decoder_layers(target)
-        self.head, self.inputs = head, inputs
+        self.head, self.inputs, self.columns = head, inputs, columns
         self.ids = head.aux_layer_ids(len(layers))
         self.states: dict[int, torch.Tensor] = {}
         self.positions: torch.LongTensor | None = None
@@ -78,13 +85,18 @@ class TargetTap:
         if len(self.states) < len(set(self.ids)):
             return
         states, self.states = self.states, {}
-        if hidden.shape[0] != self.inputs.target.shape[0] or self.positions is None:
-            return  # not a forward of this call's rows (a measurement)
+        slots = self.columns(*hidden.shape[:2])
+        if slots is None or self.positions is None:
+            return
         device = self.head.fc.weight.device
         with torch.no_grad():
             fused = self.head.fuse([states[i].to(device) for i in self.ids])  # [batch, width, hidden]
         positions = self.positions.to(device).expand(hidden.shape[0], -1)
-        self.inputs.write("target", positions, fused)
+        previous, self.inputs.columns = self.inputs.columns, slots.to(device)
+        try:
+            self.inputs.write("target", positions, fused)
+        finally:
+            self.inputs.columns = previous
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -120,7 +132,12 @@ class HeadProposer(DraftModelProposer):
         head.inputs = self.inputs
         if self.tap is not None:
             self.tap.remove()
-        self.tap = TargetTap(self.target, head, self.inputs)
+        self.tap = TargetTap(self.target, head, self.inputs, self._rows)
+
+    def _rows(self, batch: int, width: int) -> torch.LongTensor | None:
+        """Row `b` of a target forward over the call's rows is slot `b`."""
+        rows = self.inputs.committed.shape[0]
+        return torch.arange(rows).unsqueeze(1).expand(rows, width) if batch == rows else None
 
     def inline_tail(self) -> int:
         """The whole backlog of a step (its accepted draft tokens and bonus token) rides in the first forward."""

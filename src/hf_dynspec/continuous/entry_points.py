@@ -21,6 +21,7 @@ from .engine import GenerationOutput, workload_hints
 from .hybrid import HybridRequests
 from .manager import SpeculativeManager, check_attention
 from .paged_draft import PagedDraftRequests, paged_implementation
+from .paged_head import PagedHeadRequests
 from .proposers import ModelFreeRequests, RequestProposer
 from .speculator import Speculator
 
@@ -148,15 +149,13 @@ def _draft_proposer(
             "DynSpecConfig(proposer='hybrid') for prompt lookup beside the draft model (up to "
             "`prompt_lookup_max_tokens` tokens a step)."
         )
-    if isinstance(assistant_model, Eagle3Head):
-        raise ValueError(
-            "EAGLE-3 heads draft in `generate` (`hf_dynspec.speculative_loop`, `hf_dynspec.generate`); under "
-            "continuous batching pass a draft model as `assistant_model`, or prompt lookup or suffix trees."
-        )
     check_vocabularies(model, assistant_model)
     check_attention(assistant_model)
     paged_implementation(assistant_model)
-    draft = PagedDraftRequests(assistant_model, config.tree_branching, config.tree_min_node_probability)
+    if isinstance(assistant_model, Eagle3Head):
+        draft = PagedHeadRequests(assistant_model, model, config.tree_branching, config.tree_min_node_probability)
+    else:
+        draft = PagedDraftRequests(assistant_model, config.tree_branching, config.tree_min_node_probability)
     alone = config.proposer == "draft" or config.tree_node_budget or config.reuse_rollouts  # rollouts join later
     if alone or config.num_speculative_tokens == 0:
         return draft

@@ -54,6 +54,8 @@ class PagedDraftRequests(RequestProposer):
     `branching - 1` of the draft's next most likely tokens as leaves (`chain_and_alternatives`).
     """
 
+    inline_tail: int = MAX_INLINE_TAIL  # backlogs up to this width ride in the first draft forward
+
     def __init__(self, model: PreTrainedModel, branching: int = 2, min_node_probability: float = 0.0) -> None:
         self.model = model
         self._devices = cuda_devices(model)  # what its catch-up's clock waits for
@@ -140,10 +142,10 @@ class PagedDraftRequests(RequestProposer):
             # positions the target rejected are rewritten; so is the newest token when the draft has seen it all (a
             # request that copied what an earlier one wrote): drafting needs the logits after it
             del seen[min(_common_prefix(seen, request.tokens), len(request.tokens) - 1) :]
-        self._catch_up([r for r in drafting if self._backlog(r) > MAX_INLINE_TAIL])
+        self._catch_up([r for r in drafting if self._backlog(r) > self.inline_tail])
         drafted: dict[str, list[tuple[list[int], list[float]]]] = {r.request_id: [] for r in drafting}
         by_id = {r.request_id: r for r in drafting}
-        feeds = [(r.request_id, self._unseen(r)) for r in drafting if self._backlog(r) <= MAX_INLINE_TAIL]
+        feeds = [(r.request_id, self._unseen(r)) for r in drafting if self._backlog(r) <= self.inline_tail]
         while feeds:
             feeds = [(request_id, tokens) for request_id, tokens in feeds if self._fits(request_id, len(tokens))]
             if not feeds:
