@@ -86,9 +86,8 @@ class HeadTrainingLog:
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """The auxiliary layer ids for a target of `num_layers` decoder layers: `(2, n // 2, n - 3)` as vLLM and
     `speculators` default to when these are distinct and valid (n >= 7), else three spread ids in `[0, n]`."""
-    ids = [2, num_layers // 2, num_layers - 3]
-    if len(set(ids)) == 3 and min(ids) >= 0:
-        return ids
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
     return sorted({round(i * num_layers / 2) for i in range(3)})
 
 
@@ -190,9 +189,10 @@ class AuxStates:
     """Forward hooks that keep the target's states at the head's auxiliary layers during one forward."""
 
     def __init__(self, target: PreTrainedModel, ids: Sequence[int]) -> None:
-        from .candidates.eagle_head import decoder_layers
-
-        layers = decoder_layers(target)
+        layers = getattr(target.get_decoder(), "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"{type(target).__name__} keeps no decoder layers under `get_decoder().layers`: an "
+                             "EAGLE-3 head cannot read its states.")
         self.ids, self.states = list(ids), {}
         self.handles = []
         for index in sorted(set(self.ids)):
