@@ -44,6 +44,17 @@ SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 """`architectures` of heads in the SpecForge / EAGLE format."""
 
 
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (`model.model.layers` in most families)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise HeadLoadError(
+            f"A draft head reads the target's decoder layers, and {type(model).__name__} keeps none under "
+            "`get_decoder().layers`; use a draft model with this target."
+        )
+    return layers
+
+
 class HeadLoadError(ValueError):
     """A head folder or Hub id that cannot be read as an EAGLE-3 head, or a head that does not fit its target."""
 
@@ -150,7 +161,47 @@ class HeadInputs:
         self.target, self.own, self.committed = self.target[keep], self.own[keep], self.committed[keep]
 
 
-class Eagle3Head(PreTrainedModel):
+class StateHead(PreTrainedModel):
+    """A draft head that reads the target's hidden states (an EAGLE-3 head, the target's own MTP layers): the loop
+    and continuous batching drive it as a draft model whose forward also reads `inputs` (`HeadInputs`, set for the
+    length of a call). A head names where in the target it reads (`tap_points`) and how it fuses what it reads
+    (`fuse`), and `bind` checks it fits its target."""
+
+    inputs: HeadInputs | None = None
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """Its cache is transformers' `DynamicCache`, which the loop crops and compacts."""
+        return True
+
+    def bind(self, target: PreTrainedModel) -> None:
+        """Check that the head fits `target`; a clear error names what does not."""
+        raise NotImplementedError
+
+    def tap_points(self, target: PreTrainedModel) -> list[tuple[nn.Module, str]]:
+        """Where the head reads the target: modules of `target` and whether their `"input"` or `"output"`."""
+        raise NotImplementedError
+
+    def fuse(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The states read at `tap_points` (each `[..., target_hidden]`) as the one state `[..., hidden]` a token
+        reads."""
+        raise NotImplementedError
+
+    def kept_states(self, out: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The positions of `out` (`[batch, width, hidden]`) whose logits a forward returns."""
+        if isinstance(logits_to_keep, torch.Tensor):
+            return out[:, logits_to_keep]  # packed positions (continuous batching)
+        return out[:, -logits_to_keep:] if logits_to_keep else out
+
+    def _states_before(self, position_ids: torch.LongTensor | None) -> torch.Tensor:
+        if self.inputs is None:
+            raise RuntimeError("A draft head drafts inside the speculative loop, which feeds it the target's states.")
+        if position_ids is None:
+            raise ValueError("A draft head needs the tokens' position ids.")
+        return self.inputs.before(position_ids)
+
+
+class Eagle3Head(StateHead):
     """An EAGLE-3 draft head, used as `assistant_model` (`model.generate(..., assistant_model=head,
     custom_generate=hf_dynspec.speculative_loop)`): its logits cover the target's vocabulary, `-inf` outside its
     draft vocabulary. Load one with [`Eagle3Head.from_pretrained`]; it is bound to its target when a call starts
@@ -177,17 +228,11 @@ class Eagle3Head(PreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, settings.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(settings.draft_vocab_size, dtype=torch.long), persistent=True)
         self.embed_tokens: nn.Embedding | None = None  # the head's own, when its folder has one
-        self.inputs: HeadInputs | None = None  # set by the proposer for the length of a call
         self._target_embeddings: tuple[nn.Module, ...] = ()  # the target's input embeddings (not a submodule)
         self.same_vocabulary = False  # set by `bind`
         self.post_init()
 
     # ---- the pieces the loop reads -----------------------------------------------------------------------------
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        """Its cache is transformers' `DynamicCache`, which the loop crops and compacts."""
-        return True
-
     def get_input_embeddings(self) -> nn.Module:
         if self.embed_tokens is not None:
             return self.embed_tokens
@@ -237,6 +282,12 @@ class Eagle3Head(PreTrainedModel):
         # the draft vocabulary is the target's, in its order: logits need no mapping (read once, not per forward)
         self.same_vocabulary = self.settings.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
 
+    def tap_points(self, target: PreTrainedModel) -> list[tuple[nn.Module, str]]:
+        """The input of the target's decoder layer `L` for each auxiliary layer id `L` (the last layer's output for
+        `L` equal to the number of layers)."""
+        layers = decoder_layers(target)
+        return [(layers[i], "input") if i < len(layers) else (layers[-1], "output") for i in self.aux_layer_ids(len(layers))]
+
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """The target's auxiliary states (each `[..., target_hidden]`) fused into one `[..., hidden]` state."""
         if self.fc_norm is not None:
@@ -275,24 +326,16 @@ class Eagle3Head(PreTrainedModel):
     ) -> CausalLMOutputWithPast:
         """Logits over the target's vocabulary (`[batch, keep, vocab]`, `-inf` outside the draft vocabulary) for
         tokens whose preceding states `HeadInputs` holds."""
-        if self.inputs is None:
-            raise RuntimeError("An EAGLE-3 head drafts inside the speculative loop, which feeds it the target's states.")
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-        if position_ids is None:
-            raise ValueError("An EAGLE-3 head needs the tokens' position ids.")
+        before = self._states_before(position_ids)  # [batch, width, hidden]
         embeds = self.get_input_embeddings()(input_ids.to(self.fc.weight.device)).to(self.fc.weight.dtype)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
             **{MASK_CACHE: cache},
         )
-        before = self.inputs.before(position_ids)  # [batch, width, hidden]
         out = self.step(embeds, before, position_ids, mask, cache, **kwargs)  # [batch, width, hidden]
         self.inputs.write("own", position_ids, out)
-        if isinstance(logits_to_keep, torch.Tensor):
-            kept = out[:, logits_to_keep]  # packed positions (continuous batching)
-        else:
-            kept = out[:, -logits_to_keep:] if logits_to_keep else out
-        scores = self.draft_logits(kept).float()  # [batch, keep, draft_vocab]
+        scores = self.draft_logits(self.kept_states(out, logits_to_keep)).float()  # [batch, keep, draft_vocab]
         if self.same_vocabulary:
             return CausalLMOutputWithPast(logits=scores)  # the draft vocabulary is the target's
         logits = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))

@@ -10,7 +10,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from .devices import unloaded_parameters
-from .eagle3 import Eagle3Head
+from .eagle3 import StateHead
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def validate_inputs(
     _check_proposer(draft, generation_config, suffix, rollouts, coupled)
     _check_assistant_settings(generation_config)
     _check_model(model, "target model")
-    if isinstance(draft, Eagle3Head):
+    if isinstance(draft, StateHead):
         draft.bind(model)  # the head reads the target's states and embeddings: it must fit them
     if draft is not None:
         _check_model(draft, "draft model")

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from ..config import DynSpecConfig
-from ..eagle3 import Eagle3Head
+from ..eagle3 import StateHead
 from ..placement import Placement
 from .base import BatchedProposer
 from .draft_model import DraftModelProposer
@@ -70,7 +70,7 @@ def loop_proposer(self: LoopChoice) -> BatchedProposer:
             )
         lookup = self.generation_config.prompt_lookup_num_tokens  # None: coupled sampling with no proposer named
         return _lookup_proposer(self, int(lookup) if lookup is not None else self.config.prompt_lookup_max_tokens)
-    if isinstance(draft, Eagle3Head):
+    if isinstance(draft, StateHead):
         return _head_proposer(self)
     if self.translation is not None:
         vocab = self.model.config.get_text_config().vocab_size
@@ -90,7 +90,7 @@ def _head_proposer(self: LoopChoice) -> BatchedProposer:
     """An EAGLE-3 head's chains, beside copies from the context unless `proposer="draft"`."""
     if self.config.tree_node_budget or self.translation is not None:
         raise ValueError(
-            "An EAGLE-3 head as `assistant_model` proposes chains with the target's tokenizer: set "
+            "A draft head (EAGLE-3, MTP) as `assistant_model` proposes chains with the target's tokenizer: set "
             "`DynSpecConfig(tree_node_budget=0)` and pass no `assistant_tokenizer`."
         )
     head = HeadProposer(self.draft, self.model, self.logits_processor, self.generation_config, self.placement, self.config)

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from ..config import DynSpecConfig
-from ..eagle3 import Eagle3Head, HeadInputs
+from ..eagle3 import HeadInputs, StateHead
 from ..placement import Placement
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
@@ -27,18 +27,6 @@ from .draft_model import DraftModelProposer
 
 INITIAL_POSITIONS = 256
 """Positions `HeadInputs` holds at first beyond the prompt (it doubles as rows grow)."""
-
-
-def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
-    """The decoder layers of a transformers causal LM (`model.model.layers` in most families)."""
-    decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(
-            f"An EAGLE-3 head reads the target's decoder layers, and {type(model).__name__} keeps none under "
-            "`get_decoder().layers`; use a draft model with this target."
-        )
-    return layers
 
 
 Columns = Callable[[int, int], "torch.LongTensor | None"]
@@ -50,47 +38,49 @@ class TargetTap:
     """Forward pre-hooks on the target's auxiliary layers: each target forward's states there, fused by the head,
     are written into `HeadInputs.target` at the forward's positions, in the slots `columns` names."""
 
-    def __init__(self, target: PreTrainedModel, head: Eagle3Head, inputs: HeadInputs, columns: Columns) -> None:
-        layers = decoder_layers(target)
+    def __init__(self, target: PreTrainedModel, head: StateHead, inputs: HeadInputs, columns: Columns) -> None:
         self.head, self.inputs, self.columns = head, inputs, columns
-        self.ids = head.aux_layer_ids(len(layers))
+        self.points = head.tap_points(target)
         self.states: dict[int, torch.Tensor] = {}
         self.positions: torch.LongTensor | None = None
-        self.handles = []
-        for index in sorted(set(self.ids)):
-            if index < len(layers):  # the input of layer `index`
-                hook = layers[index].register_forward_pre_hook(self._before(index), with_kwargs=True)
-            else:  # the last layer's output
-                hook = layers[-1].register_forward_hook(self._after(index), with_kwargs=True)
-            self.handles.append(hook)
+        decoder = target.get_decoder()
+        self.handles = [decoder.register_forward_pre_hook(self._positions, with_kwargs=True)]
+        for index, (module, where) in enumerate(self.points):
+            if any(module is other for other, _ in self.points[:index]):
+                continue  # a module read twice (the same layer id) is hooked once
+            if where == "input":
+                self.handles.append(module.register_forward_pre_hook(self._before(module), with_kwargs=True))
+            else:
+                self.handles.append(module.register_forward_hook(self._after(module), with_kwargs=True))
 
-    def _before(self, index: int):
-        def hook(module, args, kwargs):
-            self._keep(index, args[0] if args else kwargs["hidden_states"], kwargs.get("position_ids"))
+    def _positions(self, module, args, kwargs) -> None:
+        self.positions = kwargs.get("position_ids")
+
+    def _before(self, module: torch.nn.Module):
+        def hook(_, args, kwargs):
+            self._keep(module, args[0] if args else kwargs["hidden_states"])
 
         return hook
 
-    def _after(self, index: int):
-        def hook(module, args, kwargs, output):
-            self._keep(index, output[0] if isinstance(output, tuple) else output, kwargs.get("position_ids"))
+    def _after(self, module: torch.nn.Module):
+        def hook(_, args, kwargs, output):
+            self._keep(module, output[0] if isinstance(output, tuple) else output)
 
         return hook
 
-    def _keep(self, index: int, hidden: torch.Tensor, positions: torch.LongTensor | None) -> None:
-        """Keep one layer's states (`[batch, width, target_hidden]`); once every auxiliary layer has given its, fuse
-        them and write them at the forward's positions."""
-        if positions is not None:
-            self.positions = positions
-        self.states[index] = hidden
-        if len(self.states) < len(set(self.ids)):
+    def _keep(self, module: torch.nn.Module, hidden: torch.Tensor) -> None:
+        """Keep one tap point's states (`[batch, width, target_hidden]`); once every point has given its, fuse them
+        and write them at the forward's positions."""
+        self.states[id(module)] = hidden
+        if len(self.states) < len({id(m) for m, _ in self.points}):
             return
         states, self.states = self.states, {}
         slots = self.columns(*hidden.shape[:2])
         if slots is None or self.positions is None:
             return
-        device = self.head.fc.weight.device
+        device = self.head.device
         with torch.no_grad():
-            fused = self.head.fuse([states[i].to(device) for i in self.ids])  # [batch, width, hidden]
+            fused = self.head.fuse([states[id(m)].to(device) for m, _ in self.points])  # [batch, width, hidden]
         positions = self.positions.to(device).expand(hidden.shape[0], -1)
         previous, self.inputs.columns = self.inputs.columns, slots.to(device)
         try:
@@ -105,13 +95,13 @@ class TargetTap:
 
 
 class HeadProposer(DraftModelProposer):
-    """Draft chains with an EAGLE-3 head over the target's hidden states."""
+    """Draft chains with a head over the target's hidden states (an EAGLE-3 head, the target's MTP layers)."""
 
     reads_target_states = True
 
     def __init__(
         self,
-        head: Eagle3Head,
+        head: StateHead,
         target: PreTrainedModel,
         logits_processor: LogitsProcessorList,
         generation_config: GenerationConfig,
@@ -128,7 +118,7 @@ class HeadProposer(DraftModelProposer):
         super().start(batch)
         head = self.draft_model
         width = batch.prompt_width + INITIAL_POSITIONS
-        self.inputs = HeadInputs(batch.batch_size, width, head.config.hidden_size, head.dtype, head.fc.weight.device)
+        self.inputs = HeadInputs(batch.batch_size, width, head.config.hidden_size, head.dtype, head.device)
         head.inputs = self.inputs
         if self.tap is not None:
             self.tap.remove()

@@ -14,7 +14,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedM
 from ..candidates.sources import SourceContext, build_source, source_name
 from ..config import DynSpecConfig
 from ..coupling import StreamBook, call_seed
-from ..eagle3 import Eagle3Head
+from ..eagle3 import StateHead
 from ..policies import learned_policy
 from ..validation import check_vocabularies
 from .engine import GenerationOutput, workload_hints
@@ -152,7 +152,7 @@ def _draft_proposer(
     check_vocabularies(model, assistant_model)
     check_attention(assistant_model)
     paged_implementation(assistant_model)
-    if isinstance(assistant_model, Eagle3Head):
+    if isinstance(assistant_model, StateHead):
         draft = PagedHeadRequests(assistant_model, model, config.tree_branching, config.tree_min_node_probability)
     else:
         draft = PagedDraftRequests(assistant_model, config.tree_branching, config.tree_min_node_probability)

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..candidates.eagle_head import INITIAL_POSITIONS, TargetTap
-from ..eagle3 import Eagle3Head, HeadInputs
+from ..eagle3 import HeadInputs, StateHead
 from .engine import ContinuousBatchingManager
 from .paged_draft import PagedDraftRequests
 from .proposers import DraftRequest
@@ -25,7 +25,7 @@ class PagedHeadRequests(PagedDraftRequests):
     most_inline = 64  # a step's accepted tokens and bonus token: wider backlogs are a prompt's catch-up
 
     def __init__(
-        self, head: Eagle3Head, target: PreTrainedModel, branching: int = 2, min_node_probability: float = 0.0
+        self, head: StateHead, target: PreTrainedModel, branching: int = 2, min_node_probability: float = 0.0
     ) -> None:
         super().__init__(head, branching, min_node_probability)
         head.bind(target)
@@ -41,7 +41,7 @@ class PagedHeadRequests(PagedDraftRequests):
         self.inline_tail = min(self.most_inline, self._max_tokens)  # a forward holds at most the step's budget
         if self.states is None:
             head = self.model
-            self.states = HeadInputs(1, INITIAL_POSITIONS, head.config.hidden_size, head.dtype, head.fc.weight.device)
+            self.states = HeadInputs(1, INITIAL_POSITIONS, head.config.hidden_size, head.dtype, head.device)
             head.inputs = self.states
             self._tap = TargetTap(self.target, head, self.states, self._columns)
         self._manager = manager
