@@ -46,7 +46,7 @@ def test_greedy_tokens_match_plain_decoding(family, lengths, proposer, k):
     head = MtpHead.random(target)
     ids, mask = left_padded_prompts(lengths, vocab=96, seed=k)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-    out = generate(target, head, ids, mask, proposer=proposer, num_speculative_tokens=k)
+    out = generate(target, head, ids, mask, proposer=proposer, policy="static", num_speculative_tokens=k)
     assert torch.equal(out.sequences, plain)
     assert out.dynspec_stats.draft_forwards > 0
 

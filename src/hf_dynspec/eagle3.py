@@ -112,6 +112,8 @@ class HeadInputs:
         self.own = torch.zeros_like(self.target)  # [slots, width, hidden]
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
         self.columns: torch.LongTensor | None = None
+        self.given: torch.Tensor | None = None  # [batch, width, hidden] the states the next forward reads, if given
+        self.last: torch.Tensor | None = None  # [batch, width, hidden] the last head forward's output states
 
     def ensure(self, slots: int, width: int) -> None:
         """Room for `slots` slots and positions below `width` (each doubling)."""
@@ -132,12 +134,20 @@ class HeadInputs:
         return torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)
 
     def before(self, positions: torch.LongTensor) -> torch.Tensor:
-        """`[batch, width, hidden]` the state each token reads: at position `positions - 1` (zeros at position 0)."""
+        """`[batch, width, hidden]` the state each token reads: at position `positions - 1` (zeros at position 0), or
+        the states `given` for this forward (token trees, whose siblings share positions)."""
+        if self.given is not None:
+            return self.given
         slots = self.slots_of(positions).clamp(min=0)
         previous = (positions - 1).clamp(min=0, max=self.target.shape[1] - 1)  # [batch, width]
         from_target = positions < self.committed[slots]  # [batch, width]
         state = torch.where(from_target.unsqueeze(-1), self.target[slots, previous], self.own[slots, previous])
         return state * (positions > 0).unsqueeze(-1)
+
+    def record(self, positions: torch.LongTensor, states: torch.Tensor) -> None:
+        """A head forward's output states (`[batch, width, hidden]`): kept as `last` and as its own states."""
+        self.last = states
+        self.write("own", positions, states)
 
     def write(self, whose: str, positions: torch.LongTensor, states: torch.Tensor) -> None:
         """Write `states` (`[batch, width, hidden]`) at `positions` (`[batch, width]`) of the `"target"` or `"own"`
@@ -334,7 +344,7 @@ class Eagle3Head(StateHead):
             **{MASK_CACHE: cache},
         )
         out = self.step(embeds, before, position_ids, mask, cache, **kwargs)  # [batch, width, hidden]
-        self.inputs.write("own", position_ids, out)
+        self.inputs.record(position_ids, out)
         scores = self.draft_logits(self.kept_states(out, logits_to_keep)).float()  # [batch, keep, draft_vocab]
         if self.same_vocabulary:
             return CausalLMOutputWithPast(logits=scores)  # the draft vocabulary is the target's

@@ -107,6 +107,6 @@ class MtpHead(StateHead):
         )  # [batch, width, hidden]
         if self.mtp.use_shared_post_norm:
             out = self.mtp.shared_post_norm(out)
-        self.inputs.write("own", position_ids, out)
+        self.inputs.record(position_ids, out)
         logits = self.mtp._project_to_logits(self.kept_states(out, logits_to_keep))
         return CausalLMOutputWithPast(logits=logits.float())

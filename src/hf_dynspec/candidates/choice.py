@@ -19,7 +19,7 @@ from ..placement import Placement
 from .base import BatchedProposer
 from .draft_model import DraftModelProposer
 from .draft_tree import DraftTreeProposer
-from .eagle_head import HeadProposer
+from .eagle_head import HeadProposer, HeadTreeProposer
 from .free import ModelFreeProposer, ModelFreeSource
 from .hybrid import HybridProposer
 from .prompt_lookup import LookupTreeProposer, PromptLookupProposer
@@ -88,10 +88,15 @@ def loop_proposer(self: LoopChoice) -> BatchedProposer:
 
 def _head_proposer(self: LoopChoice) -> BatchedProposer:
     """An EAGLE-3 head's chains, beside copies from the context unless `proposer="draft"`."""
-    if self.config.tree_node_budget or self.translation is not None:
+    if self.translation is not None:
         raise ValueError(
-            "A draft head (EAGLE-3, MTP) as `assistant_model` proposes chains with the target's tokenizer: set "
-            "`DynSpecConfig(tree_node_budget=0)` and pass no `assistant_tokenizer`."
+            "A draft head (EAGLE-3, MTP) as `assistant_model` drafts with the target's tokenizer: pass no "
+            "`assistant_tokenizer`."
+        )
+    if self.config.tree_node_budget:
+        return HeadTreeProposer(
+            self.draft, self.model, self.logits_processor, self.generation_config, self.placement, self.config,
+            branching=self.config.tree_branching,
         )
     head = HeadProposer(self.draft, self.model, self.logits_processor, self.generation_config, self.placement, self.config)
     if self.config.proposer != "draft" and self.config.num_speculative_tokens > 0:

@@ -24,6 +24,7 @@ from ..placement import Placement
 from ..sequences import TokenBatch
 from .base import EarlyStop, Proposal
 from .draft_model import DraftModelProposer
+from .draft_tree import DraftTreeProposer
 
 INITIAL_POSITIONS = 256
 """Positions `HeadInputs` holds at first beyond the prompt (it doubles as rows grow)."""
@@ -163,3 +164,46 @@ class HeadProposer(DraftModelProposer):
             self.tap.remove()
         self.tap, self.inputs = None, None
         self.draft_model.inputs = None
+
+
+class HeadTreeProposer(HeadProposer, DraftTreeProposer):
+    """EAGLE-2 dynamic trees from a head (`DraftTreeProposer`'s growth, best nodes first, one forward per depth):
+    siblings share a position, so each frontier node is given the state its parent's forward computed (the root's:
+    the output at the row's newest token) instead of the state at the position before it."""
+
+    def __init__(self, *args, branching: int = 2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if branching < 1:
+            raise ValueError(f"`branching` must be >= 1; got {branching}.")
+        self.branching = branching
+        self._root_state: torch.Tensor | None = None  # [batch, hidden]
+        self._node_states: torch.Tensor | None = None  # [batch, created, hidden] each fed candidate's output state
+
+    def _grow_root(self, batch: TokenBatch, tail: tuple[torch.LongTensor, ...], reach: torch.LongTensor, lookahead: int):
+        self._node_states = None
+        growth = super()._grow_root(batch, tail, reach, lookahead)
+        self._root_state = self.inputs.last[:, -1]  # the newest token's column (no guesses: lookahead is off)
+        return growth
+
+    def _expand(self, batch: TokenBatch, growth, frontier: torch.LongTensor, active: torch.BoolTensor, guess,
+                context_length: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(batch.batch_size, device=frontier.device).unsqueeze(1)  # [batch, 1]
+        states = self._states(growth.candidates.count)  # [batch, created, hidden]
+        parents = growth.candidates.parents[rows, frontier]  # [batch, width]
+        given = states[rows, parents.clamp(min=0)]  # [batch, width, hidden]
+        self.inputs.given = torch.where((parents >= 0).unsqueeze(-1), given, self._root_state.unsqueeze(1))
+        try:
+            scores, guess_logits = super()._expand(batch, growth, frontier, active, guess, context_length, depth)
+        finally:
+            self.inputs.given = None
+        states[rows, frontier] = self.inputs.last[:, : frontier.shape[1]]
+        return scores, guess_logits
+
+    def _states(self, created: int) -> torch.Tensor:
+        """`[batch, created, hidden]` the candidates' output states, grown to `created` candidates."""
+        if self._node_states is None:
+            self._node_states = self._root_state.new_zeros((self._root_state.shape[0], created, self._root_state.shape[1]))
+        elif self._node_states.shape[1] < created:
+            grown = created - self._node_states.shape[1]
+            self._node_states = torch.nn.functional.pad(self._node_states, (0, 0, 0, grown))
+        return self._node_states
