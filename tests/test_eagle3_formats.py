@@ -87,3 +87,26 @@ def test_both_formats_read_the_same_settings():
 def test_a_folder_without_a_config_is_refused(tmp_path):
     with pytest.raises(HeadLoadError, match="no config.json"):
         Eagle3Head.from_pretrained(tmp_path)
+
+
+def test_a_head_named_in_the_generation_config_round_trips_and_drafts(tmp_path):
+    """`DynSpecConfig(draft_head=...)` in a saved generation config: the loop loads the head once per target and
+    drafts with it, giving plain decoding's tokens."""
+    from transformers import GenerationConfig
+
+    import hf_dynspec
+    from hf_dynspec import DynSpecConfig
+
+    verifier = AutoModelForCausalLM.from_pretrained(CASES["llama-speculators"], dtype=torch.float32).eval()
+    config = GenerationConfig(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    DynSpecConfig(draft_head=str(FIXTURES / "llama-speculators" / "head"), policy="static").to_generation_config(config)
+    config.save_pretrained(tmp_path)
+    loaded = GenerationConfig.from_pretrained(tmp_path)
+    ids = load_file(FIXTURES / "llama-speculators" / "reference.safetensors")["input_ids"]
+    plain = verifier.generate(ids, generation_config=GenerationConfig(max_new_tokens=16, do_sample=False, pad_token_id=0))
+    outputs = [hf_dynspec.generate(verifier, input_ids=ids, generation_config=loaded, return_dict_in_generate=True)
+               for _ in range(2)]
+    for out in outputs:
+        assert torch.equal(out.sequences, plain)
+        assert out.dynspec_stats.draft_forwards > 0
+    assert len(verifier._hf_dynspec_heads) == 1  # loaded once, kept with the target

@@ -37,6 +37,7 @@ NON_DEFAULT = {
     "sampling": "coupled",
     "seed": 17,
     "coupling_keys": "position",
+    "draft_head": "org/eagle3-head",
     "reuse_rollouts": True,
     "rollout_cache_samples": 64,
     "rollout_cache_tokens": 8192,

@@ -190,6 +190,13 @@ class DynSpecConfig:
                   "response. Both sample exactly the target's distribution; they differ in what a later sample "
                   "repeats (docs/rollouts.md)."},
     )
+    draft_head: str | None = field(
+        default=None,
+        metadata={"help": "A draft head to draft with when the call passes no `assistant_model`: a folder or Hub id "
+                  "of an EAGLE-3 head (the `speculators` or the SpecForge format, `hf_dynspec.eagle3`), or 'mtp' for "
+                  "the target's own MTP layers (`hf_dynspec.mtp`). Loaded once per target and kept with it, so a "
+                  "generation config or a Hub folder can name the head its model drafts with."},
+    )
     reuse_rollouts: bool = field(
         default=False,
         metadata={"help": "Keep each finished row's tokens in a rollout cache of the target model (per stream: seed, "
@@ -264,6 +271,8 @@ class DynSpecConfig:
         if self.rollout_cache_samples is not None:
             self._check_int("rollout_cache_samples", minimum=1)
         self._check_int("rollout_cache_tokens", minimum=1)
+        if self.draft_head is not None and (not isinstance(self.draft_head, str) or not self.draft_head):
+            raise ValueError(f"`draft_head` must be a folder, a Hub id or 'mtp'; got {self.draft_head!r}.")
         if not isinstance(self.reuse_rollouts, bool):
             raise ValueError(f"`reuse_rollouts` must be a bool, got {self.reuse_rollouts!r}.")
         if self.reuse_rollouts and self.sampling != "coupled":

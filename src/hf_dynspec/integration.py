@@ -121,7 +121,8 @@ def _loop_serves(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
 
 def _config_proposes(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
     """Whether the call's loop settings (its `dynspec_config`, else its generation config's) need the loop without an
-    assistant model or `prompt_lookup_num_tokens`: the suffix proposer, the rollout cache, or coupled sampling."""
+    assistant model or `prompt_lookup_num_tokens`: the suffix proposer, the rollout cache, coupled sampling, or a
+    draft head it names."""
     value = kwargs.get("dynspec_config")
     if value is None:
         value = DynSpecConfig.from_generation_config(kwargs.get("generation_config") or model.generation_config)
@@ -130,7 +131,8 @@ def _config_proposes(model: PreTrainedModel, kwargs: dict[str, Any]) -> bool:
 
 def _loop_proposes(config: DynSpecConfig) -> bool:
     """Whether `config` speculates (or samples) in the loop with no assistant model named."""
-    return config.proposer == "suffix" or config.reuse_rollouts or config.sampling == "coupled"
+    named = config.draft_head is not None
+    return config.proposer == "suffix" or config.reuse_rollouts or config.sampling == "coupled" or named
 
 
 def _wants_speculation(model: PreTrainedModel, kwargs: dict) -> bool:

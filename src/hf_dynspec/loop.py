@@ -35,6 +35,7 @@ from .config import DynSpecConfig
 from .coupling import batch_keys, call_seed, coupled_choice, stream_keys
 from .devices import upload
 from .distributed import DecisionBroadcast
+from .heads import head_for
 from .packing import can_pack
 from .placement import Placement
 from .policies import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback, learned_policy, parameter_ratio
@@ -100,6 +101,8 @@ def speculative_loop(
     assistant_model, streamer = recover_generate_arguments(assistant_model, streamer)
     input_ids = input_ids.long()  # other integer dtypes would not mix with the loop's token buffers
     config = resolve_config(dynspec_config, generation_config)
+    if assistant_model is None and config.draft_head is not None:
+        assistant_model = head_for(model, config.draft_head)
     translation = translation_for(assistant_model, tokenizer, assistant_tokenizer, config)
     validate_inputs(
         model, assistant_model, input_ids, generation_config, logits_processor, model_kwargs, synced_gpus, streamer,

@@ -15,6 +15,7 @@ from ..candidates.sources import SourceContext, build_source, source_name
 from ..config import DynSpecConfig
 from ..coupling import StreamBook, call_seed
 from ..eagle3 import StateHead
+from ..heads import head_for
 from ..policies import learned_policy
 from ..validation import check_vocabularies
 from .engine import GenerationOutput, workload_hints
@@ -109,6 +110,8 @@ def _request_proposer(
     assistant_model: PreTrainedModel | None,
 ) -> tuple[RequestProposer, int]:
     """The proposer the arguments ask for, and the most draft tokens a request proposes in a step."""
+    if assistant_model is None and config.draft_head is not None:
+        assistant_model = head_for(model, config.draft_head)
     if assistant_model is not None:
         return _draft_proposer(model, config, prompt_lookup_num_tokens, assistant_model), config.num_speculative_tokens
     if config.proposer == "suffix":
