@@ -214,3 +214,15 @@ def test_continuous_batching_with_a_mirror_head_accepts_every_token(mirrored):
         manager.stop(block=True)
     stats = manager.speculation
     assert stats.accepted_tokens == stats.draft_tokens > 0
+
+
+def test_the_bench_names_a_head_method_by_its_options():
+    from hf_dynspec.evaluation.methods import MethodError, parse_method
+
+    method = parse_method("dynspec-head@solo:6", {"head@solo": {"draft_head": "org/head", "proposer": "draft"}})
+    config = method.dynspec_config
+    assert (config.draft_head, config.proposer, config.num_speculative_tokens, method.uses_draft) == (
+        "org/head", "draft", 6, False
+    )
+    with pytest.raises(MethodError, match="head.draft_head="):
+        parse_method("dynspec-head", {})

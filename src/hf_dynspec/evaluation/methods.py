@@ -14,6 +14,7 @@
 | `dynspec-tree[:N[:D]]` | `goodput` with draft-model token trees of at most N nodes per row (default 12), D deep (default 4) |
 | `dynspec-tree-lookup[:N]` | `goodput` with prompt-lookup tries of at most N nodes per row (default 10) |
 | `dynspec-suffix[:N]` | `goodput` with the suffix proposer (suffix trees, no draft model), at most N tokens per row and step (default 10) |
+| `dynspec-head[:K]` | the default config with a draft head instead of the draft model: `policy_options["head"]["draft_head"]` names it (an EAGLE-3 folder or Hub id, or `mtp`) |
 
 `<policy>` is any name in `hf_dynspec.policies.POLICIES` (`table` is short for `batch_table`); its options come from
 `policy_options[<policy>]`. A tag runs one policy with two sets of options side by side: `dynspec-goodput@profile`
@@ -78,6 +79,8 @@ loop runs with, so that a baseline can have them too (`plain` and `hf-*` only), 
 REUSE = "dynspec-reuse"
 """Coupled sampling with the rollout cache (`+draft`: beside the draft model); `:N` caps its tokens a step."""
 NO_SPECULATION = "dynspec-nospec"
+HEAD = "dynspec-head"
+"""Drafting with a draft head named in the method's options (`DynSpecConfig.draft_head`)."""
 """The loop without speculation: what dropping finished rows alone gives, against which speculation is measured."""
 DEFAULT_LOOKUP_TOKENS = 10
 DEFAULT_TREE_NODES = 12
@@ -242,6 +245,8 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
         return Method(name, "dynspec", dynspec_config=DynSpecConfig(**settings))
     if base.partition("@")[0] in ("dynspec-tree", "dynspec-tree-lookup"):
         return _tree_method(name, base, argument, policy_options)
+    if base.partition("@")[0] == HEAD:
+        return _head_method(name, base, argument, policy_options)
     if base.startswith("dynspec-"):
         policy, _, tag = base[len("dynspec-") :].partition("@")
         policy = POLICY_ALIASES.get(policy, policy)
@@ -256,10 +261,23 @@ def _parse_stem(name: str, policy_options: dict[str, dict[str, Any]] | None) -> 
     raise MethodError(
         f"Unknown method {name!r}. Use plain, hf-assisted, hf-heuristic, hf-prompt-lookup[:N], {NO_SPECULATION}, "
         "dynspec-prompt-lookup[:N], dynspec-draft[:K], dynspec-hybrid[:K], dynspec-tree[:N[:D]], dynspec-tree-lookup[:N], "
-        "dynspec-suffix[:N][+draft][+warm][+foreign], dynspec-reuse[:N][+draft] or "
+        "dynspec-suffix[:N][+draft][+warm][+foreign], dynspec-reuse[:N][+draft], dynspec-head[:K] or "
         "dynspec-<policy>[:K] with a policy from "
         "hf_dynspec.policies.POLICIES."
     )
+
+
+def _head_method(name: str, base: str, argument: str | None, policy_options: dict[str, dict[str, Any]] | None) -> Method:
+    """`dynspec-head[@tag][:K]`: the default config drafting with the head `policy_options["head@tag"]` names."""
+    tag = base.partition("@")[2]
+    key = f"head@{tag}" if tag else "head"
+    options, fields = _config_fields(dict((policy_options or {}).get(key, {})))
+    if not fields.get("draft_head"):
+        raise MethodError(f"{name} drafts with a head: name it with --policy-option {key}.draft_head=<folder, Hub id or mtp>.")
+    settings = {"policy_options": options, **fields}
+    if argument is not None:
+        settings["num_speculative_tokens"] = _count(name, argument, 0)
+    return Method(name, "dynspec", dynspec_config=DynSpecConfig(**settings))
 
 
 def _tree_method(
