@@ -175,3 +175,17 @@ def test_the_command_trains_a_tiny_head_within_its_time_budget(tmp_path):
     assert len(log["held_out"]["accuracy"]) == 3
     head = Eagle3Head.from_pretrained(out)
     assert head.settings.draft_vocab_size == 128 and head.settings.aux_layer_ids == [0, 1, 2]
+
+
+def test_a_bfloat16_target_trains_the_float32_head_under_bfloat16_autocast():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = token_target().to(torch.bfloat16)
+        data = random_token_prompts(16, VOCAB, 12, 20, seed=2, low=3)
+        settings = HeadTrainingSettings(draft_vocab_size=64, batch_size=8, epochs=4, learning_rate=2e-2)
+        head, log = train_head(target, data, settings, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert {p.dtype for p in head.parameters()} == {torch.float32}
+    assert log.steps == 8 and log.records[-1]["loss"] < log.records[0]["loss"]

@@ -64,6 +64,7 @@ class HeadTrainingSettings:
     norm_before_residual: bool = True  # the speculators trainer's defaults for new heads
     norm_before_fc: bool = True
     norm_output: bool = True
+    autocast: str = "auto"  # "auto": the head's matmuls in bfloat16 (float32 weights) when the target is bfloat16
     minutes: float | None = None  # time budget of the training loop: stops cleanly and saves when spent
     seed: int = 0
     log_every: int = 1  # steps between entries of the log
@@ -439,6 +440,7 @@ def train_head(
     torch.manual_seed(settings.seed)
     bar = tqdm(total=planned, desc="train-head", disable=not progress, unit="step")
     device = target.device
+    autocast = head_autocast(settings.autocast, target)
     try:
         for _epoch in range(settings.epochs):
             for input_ids, mask in batches(sequences, settings.batch_size, pad_id, generator):
@@ -454,9 +456,10 @@ def train_head(
                     group["lr"] = lr
                 input_ids, mask = input_ids.to(device), mask.to(device)
                 aux, target_logits = target_batch(target, tap, input_ids, mask, target_ids)
-                loss, metrics = ttt_forward(
-                    head, aux, input_ids, mask, target_logits, settings.ttt_steps, settings.ttt_decay
-                )
+                with autocast:
+                    loss, metrics = ttt_forward(
+                        head, aux, input_ids, mask, target_logits, settings.ttt_steps, settings.ttt_decay
+                    )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(parameters, settings.grad_clip)
@@ -483,10 +486,20 @@ def train_head(
     return head.eval(), log
 
 
+def head_autocast(mode: str, target: PreTrainedModel):
+    """`torch.autocast` to bfloat16 for the head's forward and backward when `mode` is `"bf16"`, or `"auto"` with a
+    bfloat16 target (its device computes in it); a disabled context otherwise (`"off"`, `"auto"` with another dtype).
+    The head's weights, optimiser states and loss stay float32."""
+    if mode not in ("auto", "bf16", "off"):
+        raise ValueError(f"autocast must be auto, bf16 or off, got {mode!r}.")
+    enabled = mode == "bf16" or (mode == "auto" and target.dtype == torch.bfloat16)
+    return torch.autocast(device_type=target.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 @torch.no_grad()
 def evaluate_head(
     head: Eagle3Head, target: PreTrainedModel, sequences: Sequence[Sequence[int]], ttt_steps: int = 3,
-    batch_size: int = 4, max_length: int = 512, pad_id: int = 0,
+    batch_size: int = 4, max_length: int = 512, pad_id: int = 0, autocast: str = "auto",
 ) -> dict:
     """The training-time test's loss and metrics of `head` on `sequences` (token-weighted means over batches)."""
     text = target.config.get_text_config()
@@ -499,7 +512,8 @@ def evaluate_head(
         for input_ids, mask in batches(sequences, batch_size, pad_id, random.Random(0)):
             input_ids, mask = input_ids.to(target.device), mask.to(target.device)
             aux, logits = target_batch(target, tap, input_ids, mask, target_ids)
-            _, metrics = ttt_forward(head, aux, input_ids, mask, logits, ttt_steps)
+            with head_autocast(autocast, target):
+                _, metrics = ttt_forward(head, aux, input_ids, mask, logits, ttt_steps)
             tokens = int(mask.sum())
             weight += tokens
             for name, value in metrics.items():

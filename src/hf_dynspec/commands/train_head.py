@@ -1,8 +1,17 @@
 """`hf-dynspec train-head`: train an EAGLE-3 draft head for a target model, saved in the `speculators` format.
 
-    hf-dynspec train-head --target qwen2.5-coder-1.5b --out heads/qwen-coder-1.5b \\
-        --dataset humaneval,sharegpt --max-samples 1000 --self-distill 128 --minutes 170
+    hf-dynspec train-head --target qwen2.5-coder-1.5b --out heads/qwen2.5-coder-1.5b-eagle3 \\
+        --dataset humaneval,sharegpt --max-samples 2000 --max-length 512 --batch-size 4 --minutes 165 \\
+        --eval-samples 32
     hf-dynspec train-head --tiny --out /tmp/tiny-head --minutes 0.2      # tiny random target, random tokens (tests)
+
+The first line fits in 3 hours on 2 CPU cores (Intel Xeon with AMX, the target in bfloat16, a busy machine): a
+batch of 2 x 256 tokens took about 8 s for the target's forward and 10 s for the head's three TTT steps, forward
+and backward, so about 30 tokens a second, some 400 samples of about 250 tokens an hour (the schedule ends at the
+time budget, so the run stops by itself; loading the model, the held-out evaluation and saving take a few minutes
+more). That is far less data than published heads see (hundreds of thousands of samples on GPUs): expect a
+head that helps on text like its training data, not a general one. `--self-distill` is worth it on a GPU; on CPU
+generating is slower still (about 2 s a token for a batch of 4 here).
 
 What it does:
 - loads the target (`--target`: registry name, local path or Hub id, in `--dtype`) and freezes it;
@@ -14,7 +23,8 @@ What it does:
 - trains a one-layer head (`hf_dynspec.head_training`): the target's states at layers (2, n // 2, n - 3) computed on
   the fly per batch, the training-time test over `--ttt-steps` steps (the head fed its own states, as when it
   drafts), forward-KL loss against the target's next-token distribution over the draft vocabulary, AdamW with warm-up
-  and cosine decay, gradient clipping; the head trains in float32. The schedule ends at the last step of `--epochs`
+  and cosine decay, gradient clipping; the head's weights are float32 (its matmuls run under bfloat16 autocast when
+  the target is bfloat16, which a CPU with AMX computes about twice as fast). The schedule ends at the last step of `--epochs`
   epochs or when `--minutes` is spent, whichever comes first; Ctrl-C also stops it cleanly, and the head is saved;
 - writes to `--out`: `config.json` and `model.safetensors` (the `speculators` format: vLLM serves it with
   `--speculative-config '{"method": "eagle3", "model": "OUT", "num_speculative_tokens": 3}'`, and
