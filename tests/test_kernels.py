@@ -153,6 +153,9 @@ def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
     assert seen == [14]  # the padding rows are dropped again
     assert kernels.padded_linear(x, layer.weight, layer.bias, 16).shape == (2, 7, 64)
     assert isinstance(kernels.narrow_linear(kernels.LinearPlan()), contextlib.nullcontext)
+    assert plan.fewest_changed_rows == 12 and kernels.LinearPlan().fewest_changed_rows is None
+    assert isinstance(kernels.narrow_linear(plan, tokens=11), contextlib.nullcontext)  # no product it changes
+    assert isinstance(kernels.narrow_linear(plan, tokens=12), NarrowLinear)
 
 
 def test_auto_computes_weight_first_at_the_row_counts_it_wins(monkeypatch):

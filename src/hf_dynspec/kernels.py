@@ -45,6 +45,7 @@ instead of 0.44 s, with identical logits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import statistics
 from collections.abc import Callable, Iterator
@@ -107,6 +108,13 @@ class LinearPlan:
     def computes_weight_first(self, rows: int) -> bool:
         """Whether a product over `rows` rows is computed weight-first."""
         return 2 <= rows <= self.narrow_rows or rows in self.weight_first
+
+    @functools.cached_property
+    def fewest_changed_rows(self) -> int | None:
+        """The fewest rows of a product the plan computes otherwise than `F.linear` does; `None` when it changes
+        nothing (`changes_anything` is False)."""
+        padded = [rows for rows, wider in enumerate(self.pad_to) if wider != rows]
+        return min([*padded, *self.weight_first, *([2] if self.narrow_rows >= 2 else [])], default=None)
 
 
 _MEASURED: dict[tuple, LinearPlan] = {}
@@ -209,11 +217,20 @@ class NarrowLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def narrow_linear(max_rows: int | LinearPlan) -> contextlib.AbstractContextManager:
+def narrow_linear(max_rows: int | LinearPlan, tokens: int | None = None) -> contextlib.AbstractContextManager:
     """[`NarrowLinear`]`(max_rows)`, or a context that changes nothing (and costs nothing) when it would change
-    nothing (`max_rows < 2`, or a plan that neither computes weight-first nor pads)."""
+    nothing: `max_rows < 2`, a plan that neither computes weight-first nor pads, or a forward over `tokens` tokens
+    (`None`: unknown) fewer than the fewest rows the plan changes.
+
+    A decoder's linear layers multiply at most one row per token of the forward (fewer in an output layer that keeps
+    the last logits only, or in a mixture-of-experts expert), so such a forward meets no product the plan changes;
+    the mode would only cost its Python call on every operator of the forward (about as much again as the operator's
+    own dispatch), which is what a forward over one token per row at batch 1 is made of."""
     plan = max_rows if isinstance(max_rows, LinearPlan) else LinearPlan(max_rows)
-    return NarrowLinear(plan) if plan.changes_anything else contextlib.nullcontext()
+    first = plan.fewest_changed_rows
+    if first is None or (tokens is not None and tokens < first):
+        return contextlib.nullcontext()
+    return NarrowLinear(plan)
 
 
 def row_major(x: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ class Placement:
             use_cache=True,
         )
         plan = self.linear_plans.get(id(model), LinearPlan())
-        with narrow_linear(plan), row_major_output(model), folded_attention(model, self.fold_attention):
+        with narrow_linear(plan, ids.numel()), row_major_output(model), folded_attention(model, self.fold_attention):
             if head is not None:
                 inputs[_cache_kwarg(type(head.decoder))] = cache.cache
                 hidden = head.decoder(**inputs).last_hidden_state[:, -keep:]  # [batch, keep, hidden]
@@ -152,9 +152,8 @@ class Placement:
         inputs = dict(input_ids=packing.pack(ids.to(device)), position_ids=packing.pack(positions.to(device)),
                       use_cache=True)  # [1, total] each
         inputs[_cache_kwarg(type(model))] = PackedCache(cache.cache, packing)
-        with narrow_linear(self.linear_plans.get(id(model), LinearPlan())), row_major_output(model), packed(
-            model, packing
-        ):
+        plan = self.linear_plans.get(id(model), LinearPlan())
+        with narrow_linear(plan, inputs["input_ids"].numel()), row_major_output(model), packed(model, packing):
             output = model(**inputs, **logits_kwargs(model, 0))  # [1, total, vocab]
         return self.logits_to_loop(packing.unpack(output.logits))
 
