@@ -68,6 +68,10 @@ def test_chain_is_a_tree_of_single_children():
     causal = torch.ones(4, 4, dtype=torch.bool).tril()
     assert torch.equal(chain.ancestor_mask()[0], causal)
     assert torch.equal(chain.ancestor_mask()[1], torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]).bool())
+    assert chain.paths().tolist() == [[[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, -1], [0, 1, 2, 3]],
+                                      [[0, -1, -1, -1], [0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]]]
+    walked = TokenTree.from_parents(chain.tokens, chain.parents, chain.valid)  # the same tree, not known as a chain
+    assert not walked.chain and torch.equal(walked.paths(), chain.paths())
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,11 @@ class TokenTree:
     """At least the most children of any node, known without reading the tree (a chain: 1); `children` is that wide.
     `None`: read from the tree."""
     check: InitVar[bool] = True
+    chain: bool = field(default=False, compare=False)
+    """Each row's nodes `0 .. lengths[b]` form a chain in slot order, node `j` the parent of node `j + 1`, and its
+    other slots are placeholders (`from_chain`): `paths` is then known without walking the parents."""
+    _paths: torch.LongTensor | None = field(default=None, init=False, repr=False, compare=False)
+    """`paths()`, once computed (a step asks for it to build the mask, to verify and to process scores)."""
 
     def __post_init__(self, check: bool) -> None:
         _check_shapes(self.tokens, self.parents, self.depths, self.valid)
@@ -117,7 +122,7 @@ class TokenTree:
         parents = torch.where(valid, (nodes - 1).unsqueeze(0), -1)
         depths = torch.where(valid, nodes.unsqueeze(0), 0)
         all_tokens = torch.cat([root.unsqueeze(1), tokens], dim=1)  # [batch, k + 1]
-        return cls(all_tokens, parents, depths, valid, width, min(width, 1), check=check)
+        return cls(all_tokens, parents, depths, valid, width, min(width, 1), check=check, chain=True)
 
     # ---- sizes -----------------------------------------------------------------------------------------------------
     @property
@@ -149,8 +154,23 @@ class TokenTree:
         """`[batch, nodes, depth_limit + 1]`: entry `[b, j, d]` is the ancestor of node `j` at depth `d`.
 
         Column 0 is the root (node 0), column `depths[b, j]` is `j` itself, deeper columns are -1. Placeholder slots
-        hold only themselves in column 0.
+        hold only themselves in column 0. Computed once per tree; do not write into the result.
         """
+        if self._paths is None:
+            self._paths = self._chain_paths() if self.chain else self._walked_paths()
+        return self._paths
+
+    def _chain_paths(self) -> torch.LongTensor:
+        """`paths` of a chain (`chain`): node `j`'s ancestors are the nodes `0 .. j`, each at its own depth."""
+        nodes = self.tokens.shape[1]
+        depth = torch.arange(self.depth_limit + 1, device=self.tokens.device)  # [depth + 1]
+        node = torch.arange(nodes, device=self.tokens.device).unsqueeze(1)  # [nodes, 1]
+        on_chain = torch.where(depth <= node, depth, -1)  # [nodes, depth + 1] a valid node's path
+        alone = torch.where(depth == 0, node, -1)  # [nodes, depth + 1] a placeholder slot's
+        return torch.where(self.valid.unsqueeze(2), on_chain, alone)  # [batch, nodes, depth + 1]
+
+    def _walked_paths(self) -> torch.LongTensor:
+        """`paths` of any tree, by walking every node's parents up to the root."""
         batch, nodes = self.tokens.shape
         current = torch.arange(nodes, device=self.tokens.device).expand(batch, nodes)  # [batch, nodes]
         level = self.depths.clone()
