@@ -1,9 +1,11 @@
-"""An EAGLE-3 head proposes chains from the target's own hidden states (`hf_dynspec.eagle3`).
+"""A draft head (an EAGLE-3 head, `hf_dynspec.eagle3`; the target's MTP layers, `hf_dynspec.mtp`) proposes chains and
+token trees from the target's own hidden states.
 
 The head is driven as a draft model (`DraftModelProposer`: its ragged cache, catch-up, sampling, coupled sampling and
-early stops), with three differences:
-- after every target forward, the target's states at the head's auxiliary layers are fused and kept per row and
-  position (`TargetTap`, forward pre-hooks on those layers: only they are read, no `output_hidden_states`);
+early stops; `DraftTreeProposer` for trees), with three differences:
+- after every target forward, the target's states at the head's tap points (an EAGLE-3 head's auxiliary layers, an
+  MTP layer's final norm) are fused and kept per row and position (`TargetTap`, hooks on those modules: only they are
+  read, no `output_hidden_states`);
 - a draft token's cache entry was computed from the head's own state, not the target's, so it never stays: accepted
   draft tokens are fed again, with the target's states, in the next proposal's first forward, which carries the
   whole step's backlog (a step's accepted tokens and bonus token) instead of catching it up apart;
