@@ -17,6 +17,7 @@ from hf_dynspec import DynSpecConfig
 from hf_dynspec.cli import main
 from hf_dynspec.eagle3 import Eagle3Head
 from hf_dynspec.evaluation.data import random_token_prompts
+from hf_dynspec.head_saving import save_head
 from hf_dynspec.head_training import (
     AuxStates,
     HeadTrainingSettings,
@@ -24,7 +25,6 @@ from hf_dynspec.head_training import (
     draft_vocabulary,
     evaluate_head,
     new_head,
-    save_head,
     target_batch,
     train_head,
     ttt_mask,

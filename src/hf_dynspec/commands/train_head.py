@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-samples, --batch-size, --epochs and --ttt-steps must be at least 1, "
                          "--max-length at least 3.")
     from ..eagle3 import Eagle3Head
-    from ..head_training import evaluate_head, plot_log, save_head, self_distill, train_head, write_log
+    from ..head_saving import plot_log, save_head, write_log
+    from ..head_training import evaluate_head, self_distill, train_head
 
     torch.manual_seed(args.seed)
     target, tokenizer, verifier = _load(args)
