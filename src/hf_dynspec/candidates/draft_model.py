@@ -161,25 +161,50 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         fed: list[torch.LongTensor] = []  # per forward: [batch, columns] node of each column after the tail, or -1
         while bool((chain.host_done < lengths).any()):
             guesses, guessed, host_guess = self._guesses(batch, chain, lengths, reach, lookahead)  # [batch, g]
-            width = guesses.shape[1]
-            offsets = torch.arange(1, width + 1, device=positions.device)
-            scores = self._forward(
-                torch.cat([ids, guesses], 1), torch.cat([mask, guessed], 1),
-                torch.cat([positions, positions[:, -1:] + offsets], 1), keep=1 + width,
-                host_mask=torch.cat([host_mask, host_guess[1]], 1),
-            )  # [batch, 1 + g, vocab]
+            scores = self._feed(ids, mask, positions, host_mask, (guesses, guessed, host_guess[1]))  # [b, 1 + g, v]
             before = chain.host_done.clone()
             lengths, reach = self._walk(batch, chain, scores, (guesses, host_guess), lengths, reach, early_stop)
-            matched = torch.arange(width) < (chain.host_done - before - 1).unsqueeze(1)  # [batch, g]
-            valid = host_guess[1] * matched  # guesses past a row's first mismatch become holes now
-            self.ragged.set_last(upload(valid, guessed.device), valid)
-            nodes = torch.where(valid.bool(), before.unsqueeze(1) + torch.arange(1, width + 1), -1)  # [batch, g]
+            nodes = self._settle_guesses(chain, before, host_guess[1])  # [batch, g]
             anchors = torch.where(host_mask[:, -1:].bool(), before.unsqueeze(1), -1)  # the newest draft token fed
-            fed.append(nodes if not fed else torch.cat([anchors, nodes], 1))
+            fed.append(nodes if not fed else torch.cat([anchors, nodes], 1) if nodes.shape[1] else anchors)
             ids, mask, positions, host_mask = chain.anchors(batch, lengths)
             chain.forwards += 1
         self._fed_nodes = torch.cat(fed, 1) if fed else lengths.new_zeros((batch.batch_size, 0))
         return chain.proposal()
+
+    def _feed(
+        self,
+        ids: torch.LongTensor,
+        mask: torch.LongTensor,
+        positions: torch.LongTensor,
+        host_mask: torch.LongTensor,
+        guess: tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor],
+    ) -> torch.Tensor:
+        """One draft forward over each row's newest tokens (`[batch, t]` ids, mask, positions and the mask on the
+        host) followed by its guesses (`guess`: tokens and mask on the device, the mask on the host, `[batch, g]`);
+        returns the logits after the newest token and after each guess, `[batch, 1 + g, vocab]`."""
+        guesses, guessed, host_guessed = guess
+        width = guesses.shape[1]
+        if width:  # without guesses (no lookahead) the block is the newest tokens alone
+            offsets = torch.arange(1, width + 1, device=positions.device)
+            ids, mask = torch.cat([ids, guesses], 1), torch.cat([mask, guessed], 1)
+            positions = torch.cat([positions, positions[:, -1:] + offsets], 1)
+            host_mask = torch.cat([host_mask, host_guessed], 1)
+        return self._forward(ids, mask, positions, keep=1 + width, host_mask=host_mask)
+
+    def _settle_guesses(
+        self, chain: _Chain, before: torch.LongTensor, host_guessed: torch.LongTensor
+    ) -> torch.LongTensor:
+        """After a forward that fed guesses (`host_guessed` `[batch, g]` their mask, on the host), and drew from them
+        the chain's tokens past `before` (`[batch]` tokens each row had): the guesses past a row's first mismatch
+        become holes in the draft cache. Returns the tree node of each guess column, -1 for holes (`[batch, g]`)."""
+        width = host_guessed.shape[1]
+        if not width:
+            return host_guessed
+        matched = torch.arange(width) < (chain.host_done - before - 1).unsqueeze(1)  # [batch, g]
+        valid = host_guessed * matched
+        self.ragged.set_last(upload(valid, self.num_seen.device), valid)
+        return torch.where(valid.bool(), before.unsqueeze(1) + torch.arange(1, width + 1), -1)
 
     def inline_tail(self) -> int:
         """Backlogs up to this width ride in the first draft forward (`MAX_INLINE_TAIL`)."""
@@ -204,6 +229,8 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
     ) -> tuple[torch.LongTensor, torch.LongTensor, tuple[torch.LongTensor, torch.LongTensor]]:
         """`[batch, g]` prompt-lookup guesses of each row's next draft tokens (all but its last, which is never fed)
         and their mask, on the device and on the host (`_lookups`); width 0 without lookahead."""
+        if not lookahead:
+            return _no_guesses(batch)
         wanted = torch.where(chain.host_done < lengths, reach - chain.host_done - 1, 0).clamp(min=0)  # [batch]
 
         def drafted() -> list[torch.LongTensor]:
@@ -228,8 +255,7 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         size 1 (where a wider forward costs little), none when more rows draft than there are guess tokens."""
         share = lookahead // max(1, int((wanted > 0).sum()))
         if share == 0:
-            empty = torch.zeros((batch.batch_size, 0), dtype=torch.long)
-            return batch.tokens.new_zeros(empty.shape), batch.tokens.new_zeros(empty.shape), (empty, empty)
+            return _no_guesses(batch)
         wanted = wanted.clamp(max=share)
         drafted = drafted() if callable(drafted) else drafted
         found = [
@@ -462,6 +488,14 @@ class DraftModelProposer(CandidateGenerator, BatchedProposer):
         matches = (new_tokens[:k] == proposal.tokens[0, :k]).long().cumprod(0).sum()
         kept = torch.arange(proposal.max_length + 1, device=current.device) <= matches  # [1 + k] root and accepted
         self.commit(batch, proposal, kept.unsqueeze(0))
+
+
+def _no_guesses(
+    batch: TokenBatch,
+) -> tuple[torch.LongTensor, torch.LongTensor, tuple[torch.LongTensor, torch.LongTensor]]:
+    """`_lookups`' answer when no row guesses: `[batch, 0]` tokens and mask, on the device and on the host."""
+    empty = torch.zeros((batch.batch_size, 0), dtype=torch.long)
+    return batch.tokens.new_zeros(empty.shape), batch.tokens.new_zeros(empty.shape), (empty, empty)
 
 
 class _Chain:
