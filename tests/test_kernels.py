@@ -133,6 +133,8 @@ def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
     costs |= {rows: 3.3 + 0.05 * rows for rows in range(16, kernels.PADDED_ROWS + 1)}
 
     def timer(kind, rows, fn):
+        if kind == "padded":  # over 16 rows, and the padding's own operators
+            return costs[16] + 0.1
         return costs[rows] if kind == "linear" else 2.0 * costs[rows]  # weight-first never faster
 
     plan = kernels.linear_plan(model, "auto", timer=timer)
@@ -156,6 +158,22 @@ def test_auto_pads_a_product_to_a_wider_row_count_measured_faster():
     assert plan.fewest_changed_rows == 12 and kernels.LinearPlan().fewest_changed_rows is None
     assert isinstance(kernels.narrow_linear(plan, tokens=11), contextlib.nullcontext)  # no product it changes
     assert isinstance(kernels.narrow_linear(plan, tokens=12), NarrowLinear)
+
+
+def test_auto_pads_only_where_the_padding_pays_for_its_own_operators():
+    """A narrow weight, as the launch-bound proxy's (width 64): `F.linear` times are noise (13 rows seem slower than
+    16), but the padded product adds operators (zero rows, a concatenation, a slice) that cost more than any such
+    difference: nothing is padded."""
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    costs = {rows: 3.0 for rows in range(1, kernels.PADDED_ROWS + 1)} | {13: 3.3}
+
+    def timer(kind, rows, fn):
+        fn()
+        return {"linear": costs[rows], "weight_first": 4.0, "padded": 3.0 + 2.0}[kind]
+
+    plan = kernels.linear_plan(model, "auto", timer=timer)
+    assert not plan.changes_anything and plan.fewest_changed_rows is None
+    assert kernels._priced_padding((0, 1, 4, 4, 4), {2: 3.3, 3: 3.0}, lambda rows, wider: 3.0) == (0, 1, 4, 3, 4)
 
 
 def test_auto_computes_weight_first_at_the_row_counts_it_wins(monkeypatch):

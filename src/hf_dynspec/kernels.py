@@ -23,7 +23,11 @@ loses a finished row pays 1.6x per step for less work. So `auto` also times `F.l
 `PADDED_ROWS` and computes a product over fewer rows at the wider row count measured fastest, zero rows added and cut
 off again ([`LinearPlan`]): each real row's sums are those of a product over more rows, as in plain `generate`, which
 keeps finished rows in its batch. At each of those row counts it also times the product weight-first, and takes
-whichever of the three is fastest: on that Xeon, weight-first wins over 4 to 16 rows but loses over 2.
+whichever of the three is fastest: on that Xeon, weight-first wins over 4 to 16 rows but loses over 2. A padded
+product runs a few operators of its own (the zero rows, a concatenation, a slice), so each padding is timed again as
+it runs and kept only where it still wins: over a narrow weight, such as the launch-bound proxy's (width 64, where
+`F.linear` times differ by noise), hardly any does: a verify forward of 5 tokens there ran 2575 operators padded,
+1765 unpadded.
 
 A forward reads each weight once, and a model larger than the CPU's last-level cache meets every weight cold. So
 `auto` times each product on a rotation of copies of the weight that together outgrow the cache (as large as the model,
@@ -319,8 +323,10 @@ def linear_plan(model: torch.nn.Module, setting: str, timer: Timer | None = None
     Args:
         model: the target or the draft.
         setting: `"auto"`, `"on"` or `"off"`.
-        timer: `timer(kind, rows, fn)`, the seconds one call of `fn` takes (`kind` is `"linear"` or
-            `"weight_first"`); measures anew when given (for tests).
+        timer: `timer(kind, rows, fn)`, the seconds one call of `fn` takes (`kind` is `"linear"`,
+            `"weight_first"` or `"padded"`: `padded_linear` over `rows` rows, for each padding found faster, which
+            is kept only if it still is with its own operators, `_priced_padding`); measures anew when given (for
+            tests).
     """
     if setting not in NARROW_LINEAR:
         raise ValueError(f"`narrow_linear` must be one of {list(NARROW_LINEAR)}, got {setting!r}.")
@@ -378,8 +384,24 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, copies: int, timer: Tim
         stock = {rows: timer("linear", rows, lambda rows=rows: F.linear(x[:rows], next(weights))) for rows in counts}
         first = {rows: timer("weight_first", rows, lambda rows=rows: weight_first_linear(x[:rows], next(weights)))
                  for rows in counts}
-    pad_to, weight_first = _fastest_ways(stock, first)
+        pad_to, weight_first = _fastest_ways(stock, first)
+        pad_to = _priced_padding(pad_to, stock, lambda rows, wider: timer(
+            "padded", rows, lambda: padded_linear(x[:rows], next(weights), None, wider)))
     return LinearPlan(widest, pad_to, weight_first)
+
+
+def _priced_padding(
+    pad_to: tuple[int, ...], stock: dict[int, float], padded: Callable[[int, int], float]
+) -> tuple[int, ...]:
+    """`pad_to` keeping only the paddings whose product, timed as `padded_linear` runs it (`padded(rows, wider)`:
+    seconds, the zero rows added and cut off again included), is still `MIN_SPEEDUP` faster than `F.linear` over its
+    own row count (`stock`). Over a narrow weight those few operators of its own cost more than the wider product
+    saves: on a CPU where a forward costs what its operators cost to launch, padding only adds operators."""
+    kept = list(pad_to)
+    for rows, wider in enumerate(pad_to):
+        if wider != rows and padded(rows, wider) * MIN_SPEEDUP >= stock[rows]:
+            kept[rows] = rows
+    return tuple(kept)
 
 
 def _fastest_ways(stock: dict[int, float], first: dict[int, float]) -> tuple[tuple[int, ...], frozenset[int]]:
