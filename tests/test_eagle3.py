@@ -119,7 +119,7 @@ def test_the_head_reads_the_targets_states_at_its_layers(monkeypatch):
         return states
 
     monkeypatch.setattr(HeadInputs, "before", spy)
-    out = generate(target, head, ids, mask, proposer="draft", num_speculative_tokens=3, new=12)
+    out = generate(target, head, ids, mask, proposer="draft", policy="static", num_speculative_tokens=3, new=12)
     sequences = out.sequences
     real = torch.cat([mask, torch.ones_like(sequences[:, mask.shape[1] :])], 1)
     with torch.no_grad():

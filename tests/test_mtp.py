@@ -66,7 +66,7 @@ def test_the_mtp_layer_reads_the_targets_last_hidden_state(monkeypatch):
         return states
 
     monkeypatch.setattr(HeadInputs, "before", spy)
-    sequences = generate(target, head, ids, mask, proposer="draft", num_speculative_tokens=3, new=10).sequences
+    sequences = generate(target, head, ids, mask, proposer="draft", policy="static", num_speculative_tokens=3, new=10).sequences
     real = torch.cat([mask, torch.ones_like(sequences[:, mask.shape[1] :])], 1)
     with torch.no_grad():
         positions = (real.cumsum(-1) - 1).clamp(min=0)
