@@ -104,13 +104,9 @@ def test_a_head_that_mirrors_the_target_has_every_token_accepted(mirrored):
     assert stats.target_forwards <= 1 + 3 * (30 // 5 + 1)  # the prefill, then five tokens a verify per row
 
 
-def test_the_head_reads_the_targets_states_at_its_layers(monkeypatch):
-    """Every state a head forward reads below a row's committed tokens is the target's, fused, at the position before:
-    the tap keys what it reads from verify forwards (chains, left padding, rows leaving) by row and position."""
-    target = tiny_model("llama", seed=2, num_hidden_layers=6)
-    head = random_head(target, aux=[1, 3, 5], seed=4)
-    ids, mask = left_padded_prompts([6, 10, 3], seed=2)
-    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+def record_reads(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every `HeadInputs.before` call from now on: its positions, the committed counts and the states it returned."""
+    seen = []
     original = HeadInputs.before
 
     def spy(self, positions):
@@ -119,6 +115,33 @@ def test_the_head_reads_the_targets_states_at_its_layers(monkeypatch):
         return states
 
     monkeypatch.setattr(HeadInputs, "before", spy)
+    return seen
+
+
+def check_reads(seen, mask: torch.Tensor, expected: torch.Tensor, tolerance: float) -> int:
+    """Check every recorded state read below a row's committed tokens against `expected` (`[rows, width, hidden]` by
+    column of the call's output) at the position before; returns how many were checked."""
+    checked = 0
+    for positions, committed, states in seen:
+        if positions.shape[0] != expected.shape[0]:
+            continue  # a forward after some rows finished: rows no longer line up with the call's
+        for row in range(positions.shape[0]):
+            offset = int((mask[row] == 0).sum())  # left padding before position 0
+            for column, position in enumerate(positions[row].tolist()):
+                if 0 < position < int(committed[row]):
+                    want = expected[row, offset + position - 1]
+                    torch.testing.assert_close(states[row, column], want, rtol=tolerance, atol=tolerance)
+                    checked += 1
+    return checked
+
+
+def test_the_head_reads_the_targets_states_at_its_layers(monkeypatch):
+    """Every state a head forward reads below a row's committed tokens is the target's, fused, at the position before:
+    the tap keys what it reads from verify forwards (chains, left padding, rows leaving) by row and position."""
+    target = tiny_model("llama", seed=2, num_hidden_layers=6)
+    head = random_head(target, aux=[1, 3, 5], seed=4)
+    ids, mask = left_padded_prompts([6, 10, 3], seed=2)
+    seen = record_reads(monkeypatch)
     out = generate(target, head, ids, mask, proposer="draft", policy="static", num_speculative_tokens=3, new=12)
     sequences = out.sequences
     real = torch.cat([mask, torch.ones_like(sequences[:, mask.shape[1] :])], 1)
@@ -126,18 +149,7 @@ def test_the_head_reads_the_targets_states_at_its_layers(monkeypatch):
         positions = (real.cumsum(-1) - 1).clamp(min=0)  # as the loop counts them
         hidden = target(sequences, attention_mask=real, position_ids=positions, output_hidden_states=True).hidden_states
         fused = head.fuse([hidden[i] for i in (1, 3, 5)])  # [rows, width, hidden] by column
-    checked = 0
-    for positions, committed, states in seen:
-        if positions.shape[0] != sequences.shape[0]:
-            continue  # a forward after some rows finished: rows no longer line up with the call's
-        for row in range(positions.shape[0]):
-            offset = int((mask[row] == 0).sum())  # left padding before position 0
-            for column, position in enumerate(positions[row].tolist()):
-                if 0 < position < int(committed[row]):
-                    expected = fused[row, offset + position - 1]
-                    torch.testing.assert_close(states[row, column], expected, rtol=1e-6, atol=1e-6)
-                    checked += 1
-    assert checked > 10
+    assert check_reads(seen, mask, fused, tolerance=1e-6) > 10
 
 
 @pytest.mark.slow

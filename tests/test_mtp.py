@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import left_padded_prompts
+from test_eagle3 import check_reads, record_reads
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, LlamaConfig
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
-from hf_dynspec.eagle3 import HeadInputs, HeadLoadError
+from hf_dynspec.eagle3 import HeadLoadError
 from hf_dynspec.mtp import MtpHead
 
 SMALL = dict(
@@ -57,31 +58,13 @@ def test_the_mtp_layer_reads_the_targets_last_hidden_state(monkeypatch):
     target = tiny_target("glm4_moe", seed=1)
     head = MtpHead.random(target)
     ids, mask = left_padded_prompts([6, 10], vocab=96, seed=2)
-    seen = []
-    original = HeadInputs.before
-
-    def spy(self, positions):
-        states = original(self, positions)
-        seen.append((positions.clone(), self.committed.clone(), states.clone()))
-        return states
-
-    monkeypatch.setattr(HeadInputs, "before", spy)
+    seen = record_reads(monkeypatch)
     sequences = generate(target, head, ids, mask, proposer="draft", policy="static", num_speculative_tokens=3, new=10).sequences
     real = torch.cat([mask, torch.ones_like(sequences[:, mask.shape[1] :])], 1)
     with torch.no_grad():
         positions = (real.cumsum(-1) - 1).clamp(min=0)
         last = target(sequences, attention_mask=real, position_ids=positions, output_hidden_states=True).hidden_states[-1]
-    checked = 0
-    for positions, committed, states in seen:
-        if positions.shape[0] != sequences.shape[0]:
-            continue
-        for row in range(positions.shape[0]):
-            offset = int((mask[row] == 0).sum())
-            for column, position in enumerate(positions[row].tolist()):
-                if 0 < position < int(committed[row]):
-                    torch.testing.assert_close(states[row, column], last[row, offset + position - 1], rtol=1e-5, atol=1e-5)
-                    checked += 1
-    assert checked > 10
+    assert check_reads(seen, mask, last, tolerance=1e-5) > 10
 
 
 def test_continuous_batching_with_mtp_gives_plain_tokens():
