@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from conftest import perturbed, tiny_model
+from test_eagle3 import mirrored  # noqa: F401 (a fixture)
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
@@ -19,6 +20,8 @@ from hf_dynspec.evaluation.headroom import (
     fastest_schedule,
     greedy_disagreements,
     greedy_traces,
+    head_chains,
+    static_schedule,
 )
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8, 41, 17, 60, 2], [11, 4]]
@@ -257,3 +260,43 @@ def test_the_oracle_copies_an_earlier_output_through_suffix_trees():
     assert fastest_schedule(trace, flat_costs(), free=growing).verifies == 3  # copies 1, 3 and the last 3 tokens
     with pytest.raises(ValueError, match="one count per new token"):
         fastest_schedule(trace, flat_costs(), free=[0])
+
+
+# ---- a draft head's chains -----------------------------------------------------------------------------------------
+def test_a_mirror_heads_chains_run_to_the_depth(mirrored):
+    target, head = mirrored
+    traces = greedy_traces(target, target, PROMPTS, max_new_tokens=12, progress=False)
+    for trace, chains in zip(traces, head_chains(target, head, traces, depth=4, progress=False)):
+        size = len(trace.new)
+        assert chains == [0] + [min(4, size - n) for n in range(1, size)] + [0]
+
+
+@pytest.mark.parametrize(("k", "scale"), [(2, 0.3), (4, 0.3), (3, 0.6)])
+def test_head_chains_give_the_loops_verifies_at_static_k(mirrored, k, scale):
+    """A head right part of the time: the static schedule along its teacher-forced chains verifies exactly as often
+    as the loop drafting `k` tokens a step with it."""
+    target, mirror = mirrored
+    head = perturbed(mirror, scale)
+    traces = greedy_traces(target, target, PROMPTS, max_new_tokens=16, progress=False)
+    chains = head_chains(target, head, traces, depth=k, progress=False)
+    assert 0 < sum(map(sum, chains)) < sum(len(t.new) * k for t in traces)  # right part of the time
+    for trace, chain in zip(traces, chains):
+        ids = torch.tensor([trace.prompt])
+        out = target.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16, assistant_model=head,
+            custom_generate=hf_dynspec.speculative_loop, return_dict_in_generate=True,
+            dynspec_config=DynSpecConfig(num_speculative_tokens=k, policy="static", proposer="draft", draft_lookahead=0),
+        )
+        assert out.sequences[0, ids.shape[1] :].tolist() == trace.new
+        assert out.dynspec_stats.num_steps == static_schedule(trace, flat_costs(), k, chain).verifies
+
+
+def test_oracle_prices_a_heads_chains():
+    trace = random_trace(seed=5, size=9)
+    chains = [0, 3, 0, 2, 5, 1, 0, 1, 0, 0]
+    best = fastest_schedule(trace, flat_costs(), chains=chains)
+    static = min(static_schedule(trace, flat_costs(), k, chains).seconds for k in range(1, 6))
+    assert best.seconds <= static
+    assert static_schedule(trace, flat_costs(), 9, [0] + [8 - n for n in range(1, 9)] + [0]).verifies == 1
+    with pytest.raises(ValueError, match="one count per new token"):
+        fastest_schedule(trace, flat_costs(), chains=chains[:-1])

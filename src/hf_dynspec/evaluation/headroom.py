@@ -26,6 +26,8 @@ from transformers import PreTrainedModel
 
 from ..candidates.prompt_lookup import lookup_continuation
 from ..cost_models import PaddedCostModel
+from ..eagle3 import Eagle3Head
+from ..head_training import AuxStates, unroll
 
 RANKS = 8
 """How far down the draft's choices `greedy_traces` looks for the target's token."""
@@ -104,6 +106,50 @@ def greedy_traces(
         agrees, second = (top[:, 0] == new).tolist(), (top[:, min(1, top.shape[1] - 1)] == new).tolist()
         traces.append(GreedyTrace(list(prompt), new.tolist(), agrees, second, rank.tolist()))
     return traces
+
+
+@torch.no_grad()
+def head_chains(
+    target: PreTrainedModel, head: Eagle3Head, traces: Sequence[GreedyTrace], depth: int, progress: bool = True
+) -> list[list[int]]:
+    """For each trace, `chains[n]` (one per new token and a final 0): how many of the target's tokens from new
+    position `n` on a chain of `head` started there drafts right, at most `depth`.
+
+    A head's later tokens read its own states, so unlike a draft model's they depend on where the chain starts: each
+    trace takes one target forward and `depth` teacher-forced steps of the training-time test (`unroll`), each token
+    reading the state before it as the proposer's tokens do (`HeadInputs.before`: zeros at the first). Step `k` at
+    token `i` is what a chain whose first input is token `i` drafts at depth `k` while it is right.
+    """
+    if depth < 1:
+        raise ValueError(f"`depth` must be >= 1 (tokens a chain drafts at most), got {depth}.")
+    head.bind(target)
+    tap = AuxStates(target, head.aux_layer_ids(target.config.get_text_config().num_hidden_layers))
+    chains = []
+    try:
+        for trace in tqdm(traces, desc="head chains", disable=not progress):
+            ids = torch.tensor([trace.prompt + trace.new], device=target.device)  # [1, length]
+            target.get_decoder()(input_ids=ids, use_cache=False)
+            fused = head.fuse(tap.take())  # [1, length, hidden] the state at each token
+            before = torch.cat([torch.zeros_like(fused[:, :1]), fused[:, :-1]], dim=1)  # [1, length, hidden]
+            real = torch.ones_like(ids, dtype=torch.bool)
+            steps = [head.target_ids[logits[0].argmax(-1)] for logits in unroll(head, before, ids, real, depth)]
+            chains.append(_chains(trace, torch.stack(steps).tolist()))  # steps: [depth, length] guessed ids
+    finally:
+        tap.remove()
+    return chains
+
+
+def _chains(trace: GreedyTrace, guesses: list[list[int]]) -> list[int]:
+    """`chains[n]` from `guesses[k][i]`, the head's guess at depth `k` of token `i + 1 + k` of prompt and new tokens."""
+    tokens = trace.prompt + trace.new
+    chains = [0] * (len(trace.new) + 1)
+    for n in range(1, len(trace.new)):  # the chain started after `n` new tokens drafts new token `n` first
+        i = len(trace.prompt) + n - 1  # its first input: the last emitted token
+        while chains[n] < len(guesses) and i + 1 + chains[n] < len(tokens):
+            if guesses[chains[n]][i] != tokens[i + 1 + chains[n]]:
+                break
+            chains[n] += 1
+    return chains
 
 
 def greedy_disagreements(
@@ -261,7 +307,7 @@ def _ranks(trace: GreedyTrace, branching: int) -> list[int]:
 
 def fastest_schedule(
     trace: GreedyTrace, costs: OracleCosts, lookup: bool = False, branching: int = 1, max_nodes: int | None = None,
-    free: list[int] | None = None,
+    free: list[int] | None = None, chains: list[int] | None = None,
 ) -> OracleSchedule:
     """The fastest way, with hindsight, to decode `trace` in greedy steps (the prefill's token is free).
 
@@ -278,12 +324,20 @@ def fastest_schedule(
 
     `free` (implies `lookup`) replaces prompt lookup's right tokens per position by another model-free proposer's,
     e.g. `copy_matches` for suffix trees; draft lookahead still guesses by prompt lookup.
+
+    `chains` (one count per new token and a final 0) replaces the draft's agreement runs by chains that depend on
+    where they start, e.g. a draft head's (`head_chains`); chains only (`branching=1`).
     """
     size = len(trace.new)
     ranks = _ranks(trace, branching)
     runs, matches = _agreement_runs([rank >= 0 for rank in ranks]), _lookup_matches(trace, costs)
     if free is not None and len(free) != size + 1:
         raise ValueError(f"`free` needs one count per new token and a final 0 ({size + 1}), got {len(free)}.")
+    if chains is not None:
+        if len(chains) != size + 1 or branching != 1:
+            raise ValueError(f"`chains` needs one count per new token and a final 0 ({size + 1}), got {len(chains)}, "
+                             f"and prices chains only (`branching=1`, got {branching}).")
+        runs, ranks = chains, [0] * size  # a chain is one node per token
     lookup, free = lookup or free is not None, matches if free is None else free
     best = [0.0] * (size + 1)  # seconds from position n (n tokens emitted) to the end
     plan: list[tuple[str, int, int]] = [("end", 0, 0)] * (size + 1)  # (kind, tokens proposed, draft forwards)
@@ -301,6 +355,25 @@ def fastest_schedule(
             options.append((costs.verify(j + 1) + best[n + j + 1], ("lookup", j, 0)))
         best[n], plan[n] = min(options, key=lambda option: option[0])
     return _replay(best, plan, size)
+
+
+def draft_chains(trace: GreedyTrace, depth: int) -> list[int]:
+    """A draft model's chains in `head_chains`' form: its agreement runs from each new position, at most `depth`."""
+    return [0] + [min(run, depth) for run in _agreement_runs(trace.agrees)[1:]]
+
+
+def static_schedule(trace: GreedyTrace, costs: OracleCosts, k: int, chains: list[int] | None = None) -> OracleSchedule:
+    """Drafting `k` tokens at every step (fewer where the call ends sooner), as `policy="static"` does without
+    lookahead: its seconds and forwards along `trace`, chains as in `fastest_schedule`."""
+    chains = draft_chains(trace, k) if chains is None else chains
+    schedule, n = OracleSchedule(0.0, 0, 0, 0), 1
+    while n < len(trace.new):
+        drafted = min(k, len(trace.new) - n - 1)  # the final verify's own token emits the last
+        schedule.seconds += drafted * costs.draft_forward + costs.verify(drafted + 1)
+        schedule.verifies += 1
+        schedule.draft_forwards += drafted
+        n += min(chains[n], drafted) + 1
+    return schedule
 
 
 def _replay(best: list[float], plan: list[tuple[str, int, int]], size: int) -> OracleSchedule:
