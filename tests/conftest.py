@@ -14,6 +14,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from hf_dynspec.evaluation.overhead import mirror_head
+
 os.environ.setdefault("HF_DYNSPEC_CHECK_TREES", "1")  # the loop checks every tree it builds (`candidates.tree`)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N` on N cores: one thread a worker, not N each
     torch.set_num_threads(1)
@@ -116,3 +118,16 @@ def llama():
 @pytest.fixture(scope="session")
 def qwen2():
     return tiny_model("qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    """A target with tiny embeddings (its norms' epsilon tinier still) and silent later layers, and its
+    `mirror_head`."""
+    target = tiny_model("llama", seed=3, num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-30)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(1e-6)
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return target, mirror_head(target)

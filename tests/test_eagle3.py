@@ -12,7 +12,6 @@ from transformers import LlamaConfig, LogitsProcessorList, TemperatureLogitsWarp
 import hf_dynspec
 from hf_dynspec import DynSpecConfig
 from hf_dynspec.eagle3 import Eagle3Head, Eagle3Settings, HeadInputs, HeadLoadError, read_config
-from hf_dynspec.evaluation.overhead import mirror_head
 
 
 def random_head(target, draft_vocab: int | None = None, seed: int = 0, aux=None, layers: int = 1, **settings) -> Eagle3Head:
@@ -31,19 +30,6 @@ def random_head(target, draft_vocab: int | None = None, seed: int = 0, aux=None,
         ids = torch.randperm(text.vocab_size)[:draft_vocab].sort().values
         head.d2t.copy_(ids - torch.arange(draft_vocab))
     return head.to(target.dtype).eval()
-
-
-@pytest.fixture(scope="module")
-def mirrored():
-    """A target with tiny embeddings (its norms' epsilon tinier still) and silent later layers, and its
-    `mirror_head`."""
-    target = tiny_model("llama", seed=3, num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-30)
-    with torch.no_grad():
-        target.model.embed_tokens.weight.mul_(1e-6)
-        for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return target, mirror_head(target)
 
 
 def generate(target, head, ids, mask, **config):

@@ -25,6 +25,7 @@ from hf_dynspec.head_training import (
     draft_vocabulary,
     evaluate_head,
     new_head,
+    self_distill,
     target_batch,
     train_head,
     ttt_mask,
@@ -163,7 +164,7 @@ def test_the_saved_head_loads_binds_and_drafts_the_targets_greedy_output(trained
 def test_the_command_trains_a_tiny_head_within_its_time_budget(tmp_path):
     out = tmp_path / "tiny-head"
     code = main(["train-head", "--tiny", "--out", str(out), "--minutes", "0.05", "--max-samples", "24",
-                 "--max-length", "24", "--epochs", "1000", "--draft-vocab-size", "128", "--eval-samples", "4",
+                 "--max-length", "24", "--epochs", "1000", "--draft-vocab-size", "128", "--eval-samples", "4", "--self-distill", "0",
                  "--quiet"])
     assert code == 0
     assert {"config.json", "model.safetensors", "training.json", "training.png"} <= {p.name for p in out.iterdir()}
@@ -189,3 +190,21 @@ def test_a_bfloat16_target_trains_the_float32_head_under_bfloat16_autocast():
         torch.set_num_threads(threads)
     assert {p.dtype for p in head.parameters()} == {torch.float32}
     assert log.steps == 8 and log.records[-1]["loss"] < log.records[0]["loss"]
+
+
+def test_the_command_refuses_a_negative_prompt_offset(tmp_path):
+    with pytest.raises(ValueError, match="--prompt-offset must be >= 0"):
+        main(["train-head", "--tiny", "--out", str(tmp_path / "head"), "--prompt-offset", "-1", "--quiet"])
+
+
+def test_self_distillation_appends_the_targets_own_greedy_answer():
+    """Batched and left-padded, each prompt gets what the target alone generates after it, up to its EOS."""
+    target = tiny_model("llama", seed=2, dtype=torch.float32, num_hidden_layers=2)
+    prompts = random_token_prompts(5, target.config.vocab_size, 3, 11, seed=4, low=2)
+    out = self_distill(target, prompts, new_tokens=12, pad_id=0, batch_size=3, progress=False)
+    eos = target.generation_config.eos_token_id
+    for prompt, sequence in zip(prompts, out):
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0].tolist()
+        if eos in alone[len(prompt) :]:
+            alone = alone[: alone.index(eos, len(prompt)) + 1]
+        assert sequence == alone

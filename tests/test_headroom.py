@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 from conftest import perturbed, tiny_model
-from test_eagle3 import mirrored  # noqa: F401 (a fixture)
 
 import hf_dynspec
 from hf_dynspec import DynSpecConfig

@@ -98,3 +98,43 @@ def test_a_target_without_mtp_layers_or_another_target_is_refused():
     ids, mask = left_padded_prompts([5], vocab=96, seed=1)
     with pytest.raises(HeadLoadError, match="belongs to another"):
         generate(target, MtpHead.random(other), ids, mask)
+
+
+def checkpoint_with_mtp(folder, seed: int = 4) -> dict[str, torch.Tensor]:
+    """A GLM-4.5-Air-shaped checkpoint (46 decoder layers; transformers finds MTP weights by that layer count) of
+    tiny width, its MTP layer stored as the released checkpoints store it: the decoder layer `model.layers.46.*`
+    with unfused experts, and `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` beside it. Returns those weights."""
+    from safetensors.torch import load_file, save_file
+
+    config = dict(SMALL, num_hidden_layers=46)
+    torch.manual_seed(seed)
+    Glm4MoeForCausalLM(Glm4MoeConfig(**config, head_dim=8, num_key_value_heads=2)).save_pretrained(folder)
+    torch.manual_seed(seed + 1)
+    deeper = Glm4MoeForCausalLM(Glm4MoeConfig(**dict(config, num_hidden_layers=47), head_dim=8, num_key_value_heads=2))
+    deeper.save_pretrained(folder / "deeper")
+    weights = load_file(folder / "model.safetensors")
+    mtp = {k: v for k, v in load_file(folder / "deeper" / "model.safetensors").items() if k.startswith("model.layers.46.")}
+    width = SMALL["hidden_size"]
+    for name, shape in (("enorm", [width]), ("hnorm", [width]), ("shared_head.norm", [width]), ("eh_proj", [width, 2 * width])):
+        mtp[f"model.layers.46.{name}.weight"] = torch.randn(shape)
+    save_file({**weights, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
+    return {**mtp, "fused_gate_up": deeper.model.layers[46].mlp.experts.gate_up_proj.detach()}
+
+
+def test_mtp_weights_load_from_the_targets_checkpoint(tmp_path):
+    """The MTP layer of a checkpoint laid out as released ones are is what the head drafts with, and greedy output
+    with it (named as `draft_head="mtp"`) is plain decoding's."""
+    stored = checkpoint_with_mtp(tmp_path)
+    target = Glm4MoeForCausalLM.from_pretrained(tmp_path).eval()
+    head = MtpHead.from_target(target)
+    layer = head.mtp.layers[0]
+    for ours, theirs in ((layer.eh_proj, "eh_proj"), (layer.enorm, "enorm"), (layer.hnorm, "hnorm"),
+                         (layer.post_norm, "shared_head.norm"), (layer.mtp_block.self_attn.q_proj, "self_attn.q_proj")):
+        assert torch.equal(ours.weight, stored[f"model.layers.46.{theirs}.weight"]), theirs
+    assert torch.equal(layer.mtp_block.mlp.experts.gate_up_proj, stored["fused_gate_up"])
+    ids, mask = left_padded_prompts([7, 3], vocab=96, seed=5)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    ours = generate(target, None, ids, mask, new=16, draft_head="mtp", proposer="draft", policy="static",
+                    num_speculative_tokens=3)
+    assert ours.sequences.tolist() == plain.tolist()
+    assert ours.dynspec_stats.draft_tokens > 0
