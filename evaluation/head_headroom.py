@@ -36,6 +36,7 @@ from hf_dynspec.evaluation.headroom import (
     fastest_schedule,
     greedy_traces,
     head_chains,
+    headroom_table,
     static_schedule,
 )
 from hf_dynspec.heads import head_for
@@ -109,6 +110,7 @@ def summary(traces: list[GreedyTrace], chains: list[list[int]], costs: OracleCos
             "speedup": plain / sum(s.seconds for s in bound),
             "verifies": sum(s.verifies for s in bound),
             "draft_forwards": sum(s.draft_forwards for s in bound),
+            "tokens_per_verify": sum(len(t.new) - 1 for t in traces) / sum(s.verifies for s in bound),
         },
     }
 
@@ -124,7 +126,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from hf_dynspec.evaluation.bench import load_inputs
+    from hf_dynspec.evaluation.bench import load_inputs, machine_description
     from hf_dynspec.evaluation.settings import BenchSettings
 
     settings = BenchSettings(dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
@@ -141,18 +143,15 @@ def main() -> None:
         costs = OracleCosts(lambda width: widths[min(width, args.depth + 1)], forward[name], 0, args.depth, 0)
         results[name] = summary(traces, chains[name], costs, args.depth)
     out = {
+        "scenario": "head_headroom",
+        "machine": machine_description(),
         "config": {**vars(args), "target_dtype": str(target.dtype), "prompt_tokens_timed": len(prompt)},
         "verify_seconds": {str(w): s for w, s in widths.items()},
         "proposers": results,
         "chains": chains,
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print("| proposer | forward / target step | mean right of 4 | best static K | x plain | hindsight bound |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, r in results.items():
-        best = r["best_static"]
-        print(f"| {name} | {r['forward_seconds'] / widths[1]:.3f} | {r['mean_chain']['4']:.2f} | {best} | "
-              f"{r['static'][best]['speedup']:.2f}x | {r['bound']['speedup']:.2f}x |")
+    print(headroom_table(out))
     print(f"Results: {args.out}")
 
 

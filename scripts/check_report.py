@@ -3,7 +3,8 @@
 Two kinds of figure are checked:
 
 - **Table cells.** A table in docs/benchmarks.md is checked against the tables that the bench's own generators
-  (`markdown_table`, `rollout_table`, `serve_table`, `epochs_table`, `overhead_table`) print for the results files it links: in its
+  (`markdown_table`, `rollout_table`, `serve_table`, `epochs_table`, `overhead_table`,
+  `headroom_table`) print for the results files it links: in its
   rows, or else in the text between the section's heading (or the table before it) and the table. A row is found by
   its method (markers such as `*` and bold dropped) and, where the table has them, its batch size and set; every cell
   whose column the generator also prints must read as the generator prints it. Columns the generators do not print
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dynspec.evaluation.epochs import epochs_table
+from hf_dynspec.evaluation.headroom import headroom_table
 from hf_dynspec.evaluation.overhead import overhead_table
 from hf_dynspec.evaluation.report import markdown_table
 from hf_dynspec.evaluation.rollout import rollout_table
@@ -112,6 +114,8 @@ def generator_text(results: dict[str, Any]) -> str:
         return serve_table(results)
     if results.get("scenario") == "overhead":
         return overhead_table(results)
+    if results.get("scenario") == "head_headroom":
+        return headroom_table(results)
     text = markdown_table(results)
     if results.get("config", {}).get("scenario") == "rollout":
         text += "\n\n" + rollout_table(results, "dynspec-nospec")
@@ -123,7 +127,9 @@ def generator_rows(name: str) -> dict[tuple[str, str], dict[str, str]]:
     """`{(method, batch or rate): {column: cell}}` over every table the bench prints for the file `name`, rows of the
     same key merged."""
     rows: dict[tuple[str, str], dict[str, str]] = {}
-    if "runs" not in load(name) and "second_epoch" not in load(name) and load(name).get("scenario") != "overhead":
+    if "runs" not in load(name) and "second_epoch" not in load(name) and load(name).get("scenario") not in (
+        "overhead", "head_headroom"
+    ):
         return rows  # not a bench results file (a profile, a probe's output)
     for table in tables(generator_text(load(name))):
         for cells in table.rows:

@@ -20,6 +20,7 @@ from hf_dynspec.evaluation.headroom import (
     greedy_disagreements,
     greedy_traces,
     head_chains,
+    headroom_table,
     static_schedule,
 )
 
@@ -299,3 +300,10 @@ def test_oracle_prices_a_heads_chains():
     assert static_schedule(trace, flat_costs(), 9, [0] + [8 - n for n in range(1, 9)] + [0]).verifies == 1
     with pytest.raises(ValueError, match="one count per new token"):
         fastest_schedule(trace, flat_costs(), chains=chains[:-1])
+
+
+def test_the_headroom_table_prices_each_proposer_against_a_target_step():
+    proposer = {"forward_seconds": 0.05, "mean_chain": {"1": 0.5, "2": 0.75, "4": 0.9}, "right_at_depth": [0.5, 0.5, 0.4],
+                "best_static": "2", "static": {"2": {"speedup": 1.3}}, "bound": {"speedup": 1.6, "tokens_per_verify": 2.0}}
+    table = headroom_table({"verify_seconds": {"1": 0.5}, "proposers": {"head": proposer}})
+    assert table.splitlines()[-1] == "| head | 0.100 | 0.50 / 0.75 / 0.90 | 0.50 / 0.50 / 0.40 | 2 | 1.30x | 1.60x | 2.00 |"

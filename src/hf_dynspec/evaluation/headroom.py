@@ -386,3 +386,25 @@ def _replay(best: list[float], plan: list[tuple[str, int, int]], size: int) -> O
         schedule.lookup_steps += kind == "lookup"
         n += proposed + 1
     return schedule
+
+
+def headroom_table(results: dict) -> str:
+    """The markdown table `evaluation/head_headroom.py` prints for its results (`"scenario": "head_headroom"`): per
+    proposer, its forward's cost in target steps, the tokens its chains get right, the best fixed length at the
+    prices timed, and the hindsight bound, both as speed over plain decoding."""
+    lines = [
+        "| method | forward / target step | right of 1 / 2 / 4 | right at depth 1 / 2 / 3 | best static | x plain "
+        "| hindsight bound | bound's tokens / verify |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    step = results["verify_seconds"]["1"]
+    for name, r in results["proposers"].items():
+        best = r["best_static"]
+        chain = " / ".join(f"{r['mean_chain'][k]:.2f}" for k in ("1", "2", "4"))
+        depth = " / ".join(f"{share:.2f}" for share in r["right_at_depth"][:3])
+        lines.append(
+            f"| {name} | {r['forward_seconds'] / step:.3f} | {chain} | {depth} | {best} | "
+            f"{r['static'][best]['speedup']:.2f}x | {r['bound']['speedup']:.2f}x | "
+            f"{r['bound']['tokens_per_verify']:.2f} |"
+        )
+    return "\n".join(lines)
