@@ -62,7 +62,7 @@ def model_seconds(model, prompt: list[int], width: int, repeats: int) -> float:
 
     def run() -> None:
         model(ids[:, len(prompt) :], past_key_values=cache, use_cache=True)
-        cache.crop(len(prompt))
+        cache.crop(-width)  # back to the prompt's entries
 
     return median_seconds(run, repeats)
 
@@ -84,7 +84,7 @@ def head_seconds(head, prompt: list[int], repeats: int) -> float:
         scores = head.draft_logits(hidden).float()  # [1, 1, draft_vocab]
         logits = scores.new_full((1, 1, head.config.vocab_size), float("-inf"))
         logits[..., head.target_ids] = scores
-        cache.crop(length)
+        cache.crop(-1)  # back to the prompt's entries
 
     return median_seconds(run, repeats)
 
