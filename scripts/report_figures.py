@@ -114,6 +114,7 @@ SERVE_AMX, SERVED_HTTP = "serve_mixed_32_bf16_4bit_light_amx.json", "served_4_bf
 PROFILE_BF16, PROFILE_FP32, DRAFT_COSTS = "profile_bf16.json", "profile_fp32_b1.json", "draft_costs.json"
 CONTEXT_KEYS, COUPLED_COST = "context_keys_128_amx.json", "coupled_cost_amx.json"
 LOOP_OVERHEAD = "loop_overhead_amx.json"
+PROXY, HEAD_HE = "overhead_proxy_amx.json", "head_humaneval_48_amx.json"
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -239,6 +240,11 @@ def served_http(rate_index: int) -> float:
     rates = sorted({s["rate"] for s in load(SERVED_HTTP)["summary"]})
     latency = {s["method"]: s["latency_s"] for s in load(SERVED_HTTP)["summary"] if s["rate"] == rates[rate_index]}
     return latency["cb-plain"] / latency["cb-draft"]
+
+
+def proxy(method: str) -> float:
+    """`method`'s speed over plain `generate` on the launch-bound proxy."""
+    return next(row["x_plain"] for row in load(PROXY)["rows"] if row["method"] == method)
 
 
 def mismatches() -> int:
@@ -395,6 +401,12 @@ GOALS = [
                     *(x(serve_ratio("cb-draft", k)) for k in range(3)))),
     Figure(REPORT, "Intel Xeon with AMX, light load: {}, draft trees {}",
            lambda: (x(serve_ratio("cb-draft", 0, SERVE_AMX)), x(serve_ratio("cb-draft:4:8", 0, SERVE_AMX)))),
+    Figure(REPORT, "| Intel Xeon with AMX: proxy {} with the default, {} at `static:8` ([below](#trained-draft-heads-intel-xeon-with-amx)); "
+                   "HumanEval with the head trained here: the default {} `plain` at batch 1 ({} the draft alone), {} "
+                   "at batch 16 |",
+           lambda: (x(proxy("head-default")), x(proxy("head-static:8")), x(speed(HEAD_HE, "dynspec-head", batch=1)),
+                    x(speed(HEAD_HE, "dynspec-head", "dynspec-draft", batch=1)),
+                    x(speed(HEAD_HE, "dynspec-head", batch=16)))),
     Figure(REPORT, "| 0 `mismatch` in every run | {} | met |", lambda: (str(mismatches()),)),
 ]
 
