@@ -307,3 +307,10 @@ def test_the_headroom_table_prices_each_proposer_against_a_target_step():
                 "best_static": "2", "static": {"2": {"speedup": 1.3}}, "bound": {"speedup": 1.6, "tokens_per_verify": 2.0}}
     table = headroom_table({"verify_seconds": {"1": 0.5}, "proposers": {"head": proposer}})
     assert table.splitlines()[-1] == "| head | 0.100 | 0.50 / 0.75 / 0.90 | 0.50 / 0.50 / 0.40 | 2 | 1.30x | 1.60x | 2.00 |"
+
+
+def test_head_chains_refuse_a_depth_below_one(mirrored):
+    target, head = mirrored
+    traces = greedy_traces(target, target, PROMPTS[:1], max_new_tokens=4, progress=False)
+    with pytest.raises(ValueError, match="`depth` must be >= 1"):
+        head_chains(target, head, traces, depth=0, progress=False)
