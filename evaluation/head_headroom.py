@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from hf_dynspec.evaluation.device_check import timed
 from hf_dynspec.evaluation.headroom import (
     GreedyTrace,
     OracleCosts,
@@ -42,17 +40,6 @@ from hf_dynspec.evaluation.headroom import (
 from hf_dynspec.heads import head_for
 
 
-def median_seconds(run: Callable[[], None], repeats: int) -> float:
-    """The median wall time of `run` over `repeats` calls, after one warm-up call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def model_seconds(model, prompt: list[int], width: int, repeats: int) -> float:
     """One forward of `model` over `width` new tokens after `prompt` (its cache cut back after each)."""
@@ -60,11 +47,12 @@ def model_seconds(model, prompt: list[int], width: int, repeats: int) -> float:
     cache = DynamicCache(config=model.config)
     model(ids[:, : len(prompt)], past_key_values=cache, use_cache=True)
 
-    def run() -> None:
-        model(ids[:, len(prompt) :], past_key_values=cache, use_cache=True)
+    def run() -> torch.Tensor:
+        logits = model(ids[:, len(prompt) :], past_key_values=cache, use_cache=True).logits
         cache.crop(-width)  # back to the prompt's entries
+        return logits
 
-    return median_seconds(run, repeats)
+    return timed(run, repeats)["seconds"]
 
 
 @torch.no_grad()
@@ -79,14 +67,15 @@ def head_seconds(head, prompt: list[int], repeats: int) -> float:
     cache = DynamicCache()
     head.step(embeds, states, positions[:, :length], None, cache)
 
-    def run() -> None:
+    def run() -> torch.Tensor:
         hidden = head.step(embeds[:, -1:], states[:, -1:], positions[:, length:], None, cache)
         scores = head.draft_logits(hidden).float()  # [1, 1, draft_vocab]
         logits = scores.new_full((1, 1, head.config.vocab_size), float("-inf"))
         logits[..., head.target_ids] = scores
         cache.crop(-1)  # back to the prompt's entries
+        return logits
 
-    return median_seconds(run, repeats)
+    return timed(run, repeats)["seconds"]
 
 
 def summary(traces: list[GreedyTrace], chains: list[list[int]], costs: OracleCosts, depth: int) -> dict:
