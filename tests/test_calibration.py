@@ -120,7 +120,7 @@ def test_vllm_table_covers_every_batch_size_and_matches_goodput() -> None:
         num_speculative_tokens=6,
         policy="goodput",
         policy_options={"cost_model": "profile", "profile": profile.to_dict(), "prior_acceptance": 0.8,
-                        "loss_budget": None},  # the table is the search alone
+                        "loss_budget": None, "probe_z": 0.0},  # the table is the search alone
     ))
     goodput.reset(128)
     for batch in (1, 3, 8, 20, 40, 100):

@@ -96,11 +96,11 @@ def test_controller_stays_near_plain_where_a_second_token_costs_more() -> None:
     """Float32 on a CPU with AVX2 only (measured: a target forward over 2 tokens costs 2.2x one, a draft forward 44%
     of one): no fixed length beats plain decoding at acceptance 0.8. One policy serves three blocks of 16 calls, as
     the bench reuses it: the first block loses at most the loss budget (5%), and once the costs are known the later
-    blocks lose 1% on average. What is left are probes, each paying the draft's prompt catch-up (about 6 plain steps
-    here): a probe waits as many times `probe_interval` plain steps as it is expected to lose. One probe that accepts
-    little costs a block about 1.2%, so a single run's later block is no measure of the rate: this takes six
-    independent runs (measured: later blocks lose 0.56% on average, at most 1.34%; before the verify curve followed
-    the line to the prefill past its last knot, 0.46% and 1.37%, and 8 of 12 runs had a later block above 1%)."""
+    blocks lose 1% on average. What is left are measurements, each paying the draft's prompt catch-up (about 6 plain
+    steps here): one is made only where its expected gain over the tokens it informs exceeds that. A single run's
+    later block is no measure of the rate, so this takes six independent runs (measured: the first blocks lose
+    0.8-1.0%, the later ones nothing, as no measurement repays its catch-up once acceptance is known; with probes
+    after a count of plain steps, as before, the later blocks lost 0.56% on average and at most 1.34%)."""
     env = Environment(acceptance=(0.8,), budgets=(48,), prompt_tokens=100, v0=0.36, flat_tokens=20, draft_ratio=0.44,
                       multi_token_factor=2.2, max_draft_tokens=8)
     later = []
@@ -139,11 +139,9 @@ def test_new_calls_draft_where_the_catch_up_is_repaid_over_the_call() -> None:
     assert steps[1] > 0 and sum(steps[2:]) >= 30, steps
 
 
-def test_probing_spans_calls_shorter_than_the_probe_interval() -> None:
-    """After calls where drafting stopped paying, later calls with high acceptance draft again: the plain steps that
-    lead to a probe are counted across calls (31-step calls never reached the 32 of `probe_interval` one by one).
-    A probe the optimistic search does not want (late in a call, where the catch-up's share per remaining token is
-    large) is not made and the count goes on: the next step asks again. (Restarting the count there, with probes that
-    wait as many intervals as they are expected to lose, locked every later attempt to the end of a call: none drafted.)"""
+def test_short_calls_measure_the_draft_again_after_calls_where_it_did_not_pay() -> None:
+    """After calls where drafting stopped paying, later calls with high acceptance draft again. A measurement informs
+    the rest of its call and, past it, as many steps as the pooled estimate remembers: in 32-token calls that each
+    pay the draft's catch-up, the call's own tokens alone never repaid one (no call after the third drafted)."""
     steps = drafting_steps(avx2_narrow_calls([0.77, 0.72, 0.83, 0.89, 0.96, 0.86, 0.79, 0.77]))
     assert sum(steps[3:]) >= 10, steps

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import tracemalloc
 from dataclasses import replace
 
@@ -190,8 +189,9 @@ def measured_profile() -> Profile:
 
 
 def goodput_with_acceptance(value: float, **options) -> GoodputPolicy:
-    """The search alone (no loss budget unless `options` sets one), on a measured profile."""
+    """The search alone (no loss budget and no measuring unless `options` set them), on a measured profile."""
     options.setdefault("loss_budget", None)
+    options.setdefault("probe_z", 0.0)
     settings = GoodputSettings(cost_model="profile", profile=measured_profile().to_dict(), prior_acceptance=value,
                                **options)
     return GoodputPolicy(settings)
@@ -215,7 +215,7 @@ def linear_profile() -> Profile:
 
 def test_goodput_lengths_rise_as_the_batch_shrinks() -> None:
     policy = GoodputPolicy(GoodputSettings(cost_model="profile", profile=linear_profile().to_dict(),
-                                           prior_acceptance=0.8, loss_budget=None))  # the search alone
+                                           prior_acceptance=0.8, loss_budget=None, probe_z=0.0))  # the search alone
     policy.reset(32)
     longest = [int(policy.draft_lengths(request(b, 8)).max()) for b in range(32, 0, -1)]
     assert longest == sorted(longest)  # nondecreasing as rows finish
@@ -240,41 +240,61 @@ def test_goodput_caps_lengths_at_each_rows_remaining_budget() -> None:
     assert policy.draft_lengths(request(1, 8, remaining=[1])).tolist() == [0]
 
 
-def test_goodput_probes_after_a_long_plain_stretch_with_optimistic_acceptance() -> None:
-    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))  # pays only if acceptance > 0.8
-    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4, loss_budget=None), cost_model=cost)
-    policy.reset(1)
-    probed = [bool(policy.draft_lengths(request(1, 4)).max() > 0) for _ in range(8)]
-    assert probed == [False, False, False, True, False, False, False, True]
-    assert policy.last_exploration is None  # a fixed cost model never asks to explore
-    never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=0), cost_model=cost)
-    assert [int(never.draft_lengths(request(1, 4)).max()) for _ in range(8)] == [0] * 8
+def test_goodput_measures_an_uncertain_draft_where_the_call_can_repay_it() -> None:
+    """Drafting pays only above acceptance 0.8. The prior (0.5, as sure as 4 observed tokens) says it does not, but
+    could be wrong: with a long call ahead the expected gain of learning otherwise outweighs one step's loss, so the
+    draft is measured; with two tokens left it is not, nor when the estimate is sure (a prior as heavy as 10 000
+    tokens) or no optimism is allowed (`probe_z=0`: the optimistic search is the plain one)."""
+    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))
 
-
-def test_a_probe_that_must_catch_the_draft_up_waits_as_many_plain_steps_as_it_is_expected_to_lose() -> None:
-    """Probes spend about the same share of the time whatever they cost: a probe whose catch-up costs several plain
-    steps waits that many times `probe_interval`. (Before, it came every `probe_interval` plain steps all the same;
-    in the AVX2 simulation, where drafting never pays, those catch-ups lost 1.97% of the second block of calls.)"""
-    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))  # pays only if acceptance > 0.8
-
-    def first_probe(backlog: int) -> tuple[int, int]:
-        """(the plain-step count at which the first probe comes, its draft length)"""
-        policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4, loss_budget=None),
+    def first_step(remaining: int, **settings) -> GoodputPolicy:
+        policy = GoodputPolicy(GoodputSettings(**{"prior_acceptance": 0.5, "loss_budget": None, **settings}),
                                cost_model=cost)
         policy.reset(1)
-        policy.observe_prefill(PrefillFeedback(1, 100, 10.0, 0.3))  # the draft catches up at 0.03 s a token
-        step = PolicyInput(step=0, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([1000]),
-                           max_draft_tokens=4, backlog=torch.tensor([backlog]))
-        for n in range(1, 200):
-            k = int(policy.draft_lengths(step).max())
-            if k:
-                return n, k
-        raise AssertionError("no probe in 200 plain steps")
+        policy.draft_lengths(request(1, 4, remaining=remaining))
+        return policy
 
-    assert first_probe(1)[0] == 4  # the backlog rides in the first draft forward: no catch-up
-    n, k = first_probe(201)  # a 6 s catch-up (200 tokens at 0.03 s): 6 plain steps
-    lost = 1.0 + 0.8 * k + 6.0 - sum(0.5**j for j in range(k + 1))  # price less tokens emitted at acceptance 0.5
-    assert k > 0 and n == math.ceil(4 * lost) > 4 * 6
+    measured = first_step(1000)
+    assert measured.last_probe and measured.last_exploration is None  # a fixed cost model never asks to explore
+    assert not first_step(3).last_probe
+    assert not first_step(1000, prior_weight=10_000.0).last_probe
+    assert not first_step(1000, probe_z=0.0).last_probe
+
+
+def test_a_draft_measured_poor_is_measured_again_only_as_its_evidence_ages() -> None:
+    """Every draft token rejected: after the first measurements the estimate is low and sure, and measuring again
+    waits until decay has made it uncertain enough to be worth a step; over 200 steps the draft runs on few of
+    them, and more than once."""
+    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))
+    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, loss_budget=None), cost_model=cost)
+    policy.reset(1)
+    drafted = []
+    for step in range(200):
+        lengths = policy.draft_lengths(request(1, 4, remaining=1000, step=step))
+        policy.observe(feedback([0], lengths.tolist(), [0]))
+        if int(lengths[0]):
+            drafted.append(step)
+    assert 2 <= len(drafted) <= 20, drafted
+    assert drafted[-1] >= 100, drafted  # measured again late, not only at the start
+
+
+def test_a_catch_up_is_weighed_against_the_tokens_left_in_the_call() -> None:
+    """A draft that must first catch up on a 200-token prompt (6 s, six plain steps) is still measured where the
+    call has 10 000 tokens left to repay it, but not where it has 1000; without a catch-up due it is measured there.
+    (Probes that waited as many plain steps as they were expected to lose never came in calls whose catch-up was
+    large: on follow-ups the default copied and never ran the draft.)"""
+    cost = FunctionCost(lambda batch, lengths: 1.0 + 0.8 * int(lengths.max()))
+
+    def measures(backlog: int, remaining: int) -> bool:
+        policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, loss_budget=None), cost_model=cost)
+        policy.reset(1)
+        policy.observe_prefill(PrefillFeedback(1, 100, 10.0, 0.3))  # the draft catches up at 0.03 s a token
+        step = PolicyInput(step=0, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([remaining]),
+                           max_draft_tokens=4, backlog=torch.tensor([backlog]))
+        return int(policy.draft_lengths(step).max()) > 0
+
+    assert measures(201, 10_000) and not measures(201, 1000)
+    assert measures(1, 1000)
 
 
 def test_goodput_from_dynspec_config_and_json(tmp_path) -> None:
@@ -303,7 +323,7 @@ def test_goodput_from_dynspec_config_and_json(tmp_path) -> None:
         ({"acceptance_decay": 0}, "`acceptance_decay`"),
         ({"window": 0}, "`window`"),
         ({"tolerance": -1}, "`tolerance`"),
-        ({"probe_interval": -1}, "`probe_interval`"),
+        ({"probe_z": -1}, "`probe_z`"),
         ({"min_gain": -0.1}, "`min_gain`"),
         ({"early_stop": "yes"}, "`early_stop`"),
         ({"early_stop": {"treshold": 0.3}}, r"Unknown `early_stop` option\(s\) \['treshold'\]"),
@@ -556,7 +576,7 @@ def test_goodput_prices_a_draft_that_runs_rows_apart_per_row(batch: int) -> None
     for rows_apart in (False, True):
         cost = PaddedCostModel(PiecewiseLinear.fit({1: (1.0, 1), 128: (1.0, 1)}), PiecewiseLinear.fit({1: (0.15, 1)}))
         policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.8, prior_weight=1000.0, loss_budget=None,
-                                               early_stop=None, probe_interval=0), cost_model=cost)
+                                               early_stop=None, probe_z=0.0), cost_model=cost)
         policy.reset(batch)
         policy.observe_prefill(PrefillFeedback(batch, 10 * batch, 1.0, 0.3, rows_apart))
         assert cost.rows_apart == rows_apart
@@ -622,7 +642,7 @@ def test_investment_rule_never_shortens_what_the_loss_budget_allows() -> None:
 
     def requested(loss_budget, banked: float) -> int:
         verify = PiecewiseLinear.fit({1: (1.0, 1), 3: (1.1, 1), 17: (2.0, 1), 64: (6.0, 1)})
-        policy = GoodputPolicy(GoodputSettings(loss_budget=loss_budget),
+        policy = GoodputPolicy(GoodputSettings(loss_budget=loss_budget, probe_z=0.0),  # the search and the budget
                                cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.3, 1)})))
         policy.reset(1)
         policy.observe_prefill(PrefillFeedback(1, 150, 2.0, 0.3))
@@ -640,7 +660,7 @@ def test_a_prompt_wide_catch_up_is_priced_from_the_target_prefill_not_the_last_v
     prefilled the 275-token prompt in 1.2 s, so the draft (a third of the target's cost) needs about 0.4 s. Priced at
     3.6 s, a share of the catch-up per remaining token made every step of the call plain."""
     verify = PiecewiseLinear.fit({1: (0.15, 1), 9: (0.17, 1), 11: (0.25, 1)})
-    policy = GoodputPolicy(GoodputSettings(loss_budget=None),
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None, probe_z=0.0),  # the search alone
                            cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.05, 1)})))
     policy.reset(1)
     policy.observe_prefill(PrefillFeedback(1, 275, 1.2, 0.33))
@@ -820,20 +840,52 @@ def draft_steps_between_copies(policy: GoodputPolicy, steps: int = 64) -> list[i
     return drafted
 
 
-def test_copying_steps_count_toward_the_next_probe_of_the_draft() -> None:
-    """Where copies win every other step and the draft's estimate (the prior, 0.5) does not pay, the steps between
-    two probes of the draft are the steps the draft did not run, copies included. Counting plain steps only, a copy
-    reset the count and the draft was never tried again while copies covered part of an answer; here it is probed
-    after 4 such steps, then after twice as many after each probe that lost."""
-    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=4, loss_budget=None),
-                           cost_model=in_memory_cost())
+def test_the_draft_is_measured_while_copies_win_part_of_the_answer() -> None:
+    """Copies win every other step and the draft's estimate (the prior, 0.5) does not pay: the draft is still
+    measured (steps that copy leave its estimate as uncertain as plain steps do), then, once it proves poor, seldom;
+    with no optimism allowed (`probe_z=0`) never."""
+    policy = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, loss_budget=None), cost_model=in_memory_cost())
     probes = draft_steps_between_copies(policy)
     assert probes and probes[0] <= 8, probes
-    gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
-    assert len(gaps) >= 2 and gaps == sorted(gaps), probes  # each lost probe makes the next one wait longer
-    never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_interval=0, loss_budget=None),
+    assert len(probes) <= 8, probes  # of 32 steps without a copy
+    never = GoodputPolicy(GoodputSettings(prior_acceptance=0.5, probe_z=0.0, loss_budget=None),
                           cost_model=in_memory_cost())
     assert draft_steps_between_copies(never) == []
+
+
+def copies_beside_a_draft(copy_right: int, draft_right: int, tokens: int = 192) -> tuple[int, int]:
+    """(steps, steps that ran the draft model) of one row of `tokens` tokens that is offered a 12-token copy every
+    step, of which the first `copy_right` tokens are right, beside a draft whose first `draft_right` are; a verify
+    forward costs 1 s at any width, a draft forward 0.1 s."""
+    cost = PaddedCostModel(PiecewiseLinear.fit({1: (1.0, 1), 64: (1.0, 1)}), PiecewiseLinear.fit({1: (0.1, 1)}))
+    policy = GoodputPolicy(GoodputSettings(), cost_model=cost)
+    policy.reset(1)
+    left, steps, drafted = tokens, 0, 0
+    while left > 0:
+        request = PolicyInput(step=steps, row_ids=torch.tensor([0]), remaining_tokens=torch.tensor([left]),
+                              max_draft_tokens=8, free_lengths=torch.tensor([12]), free_anchors=torch.tensor([12]),
+                              backlog=torch.tensor([1]), draft_tries_free=True)
+        lengths, free = policy.draft_lengths(request), policy.free_rows(request)  # [1], [1] or None
+        k, copied = int(lengths[0]), free is not None and bool(free[0])
+        accepted = min(k, copy_right if copied else draft_right)
+        drafted += k > 0 and not copied
+        policy.observe(StepFeedback(torch.tensor([0]), lengths, lengths, torch.tensor([accepted]),
+                                    0.0 if copied else 0.1 * k, 1.0, 1 + k, free_rows=torch.tensor([copied])))
+        left, steps = left - accepted - 1, steps + 1
+    return steps, drafted
+
+
+def test_a_sure_draft_is_found_beside_copies_that_look_worth_taking() -> None:
+    """Copies that are right for one or two tokens of twelve at first look better than a draft nobody has measured
+    (the prior, 0.6); a draft that is always right is far better. The draft is measured and then kept: it runs on
+    most steps, or, where copies are right for two, on more than a third of them (probes after a count of steps
+    without the draft ran it on 15 of 46 steps and on 11 of 42)."""
+    steps, drafted = copies_beside_a_draft(1, 99)
+    assert drafted > steps / 2, (steps, drafted)
+    steps, drafted = copies_beside_a_draft(2, 99)
+    assert drafted > steps / 3, (steps, drafted)
+    steps, drafted = copies_beside_a_draft(99, 0)  # the reverse: copies always right, a draft never
+    assert drafted <= 1, (steps, drafted)
 
 
 def test_a_draft_without_lookahead_leaves_any_sure_lookup_a_verify_of_its_own() -> None:
@@ -941,18 +993,6 @@ def test_the_loss_budget_books_only_what_speculation_adds_to_a_forward() -> None
     assert policy.budget.balance == pytest.approx(0.9 + 2 * 0.2 - 0.95 - 3 * 0.05)
 
 
-def test_a_probe_that_lost_makes_the_next_one_wait_twice_as_long() -> None:
-    """The backoff doubles after a probe whose step cost more than the plain work it did, and resets after one that
-    paid."""
-    verify = PiecewiseLinear.fit({1: (0.2, 1), 4: (0.25, 1)})
-    policy = GoodputPolicy(GoodputSettings(), cost_model=PaddedCostModel(verify, PiecewiseLinear.fit({1: (0.05, 1)})))
-    policy.reset(1)
-    for accepted, backoff in ((0, 2), (0, 4), (3, 1)):
-        policy._probing = True
-        policy.observe(feedback([0], [3], [accepted]))
-        assert policy.probe_backoff == backoff and not policy._probing
-
-
 def test_a_catch_up_is_bought_at_measured_costs_not_at_stale_optimistic_ones() -> None:
     """An RL rollout starts every call at its full batch, where drafting was measured to lose, and spends most of
     its steps in a one-row tail, where it pays. By the next call the full batch's knots are stale: the online model
@@ -965,7 +1005,7 @@ def test_a_catch_up_is_bought_at_measured_costs_not_at_stale_optimistic_ones() -
         return StepFeedback(torch.arange(batch), lengths, lengths, torch.full((batch,), accepted), draft, verify,
                             batch * (1 + k))
 
-    policy = GoodputPolicy(GoodputSettings(loss_budget=None, probe_interval=0))
+    policy = GoodputPolicy(GoodputSettings(loss_budget=None, probe_z=0.0))
     policy.reset(16)
     policy.observe_prefill(PrefillFeedback(16, 16 * 60, 2.0, 0.33))
     for _ in range(12):

@@ -70,6 +70,15 @@ class AcceptanceEstimator:
         s, f = self.successes[rows], self.failures[rows]
         return (s + self.prior_weight * self.pooled_mean) / (s + f + self.prior_weight)
 
+    def shifted(self, row_ids: torch.LongTensor, z: float) -> torch.Tensor:
+        """`[batch]` each row's posterior mean moved by `z` standard deviations of the pooled estimate, in [0, 1]: the
+        acceptance of every row if the source as a whole were `z` deviations better (or worse, `z < 0`) than known.
+        Rows deviate from the pooled estimate on their own, and over a batch those deviations average out; what
+        moves every row together is how much is known of the source."""
+        pooled, seen = self.pooled_mean, self.pooled_successes + self.pooled_failures
+        spread = (pooled * (1 - pooled) / (seen + self.prior_weight + 1)) ** 0.5
+        return (self.mean(row_ids) + z * spread).clamp(min=0.0, max=1.0)
+
     def upper(self, row_ids: torch.LongTensor, z: float) -> torch.Tensor:
         """`[batch]` optimistic estimate: posterior mean plus `z` posterior standard deviations, at most 1."""
         rows = self._rows(row_ids)

@@ -17,8 +17,9 @@ principles", maps each rule to its principle):
    otherwise its drafts are shortened to what the budget allows (`hf_dynspec.budget.LossBudget`). A one-off cost
    (the draft's catch-up on a prompt) is priced before it is paid, at measured costs.
 4. **Measure what is unknown.** An online cost model asks for the lengths it has not timed, when they could pay and
-   the budget allows; after enough plain steps (weighted by what a probe would lose, doubled after each probe that
-   lost) the search runs once at optimistic acceptance, so a row whose estimate is low but uncertain is tried again.
+   the budget allows; the option the search prefers at optimistic acceptance is measured when its expected
+   improvement over the call's remaining tokens exceeds what it loses now (catch-up included), so a source whose
+   estimate is low but uncertain (never measured, or measured long ago) is tried where it could still pay.
 """
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ from ..estimators import (
 )
 from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .goodput_settings import MARGINAL_STOP, GoodputSettings, build_cost_model, build_stopper
+from .measuring import Option, expected_improvement, informed_tokens, same_option
 from .search import best_draft_lengths
 
-MAX_PROBE_BACKOFF = 64
 MARGINAL_HORIZON = 8
 """The marginal stop weighs drafting up to this many more tokens, so a local step in the measured cost curve (a
 knot timed fast by chance, a tile boundary of the matrix kernels) does not end drafts that pay over a few tokens."""
@@ -56,10 +57,9 @@ class GoodputPolicy(DraftLengthPolicy):
     Each step: acceptance estimates per row (`AcceptanceEstimator`), caps `min(max, remaining - 1)`, then
     `best_draft_lengths`, with the draft's catch-up forward (when its backlog is too wide to ride in the first draft
     forward) added to the price of every vector that drafts. An online cost model may instead ask for one exploratory
-    length (to measure a point it lacks). After `probe_interval` consecutive steps without the draft (plain or copying
-    steps; times the plain steps a probe is expected to lose, catch-up included: `_probe_weight`) the policy re-solves
-    once with optimistic acceptance (`mean + probe_z * std`), so rows whose estimate is low but uncertain get measured
-    again.
+    length (to measure a point it lacks). When the search at optimistic acceptance (`mean + probe_z * std`) prefers
+    another option, the step measures it instead if its expected improvement over the rest of the call is worth more
+    than it loses now (`_worth_measuring`), so no source stays unmeasured while it could be the better one.
     Whatever the choice, a step that drafts runs only when `LossBudget.allows` it (see `hf_dynspec.budget`).
 
     With a hybrid proposer (`PolicyInput.free_lengths`), three vectors compete: prompt lookup alone (no draft forward),
@@ -68,7 +68,8 @@ class GoodputPolicy(DraftLengthPolicy):
     lookup alone.
 
     `last_exploration` is the length the cost model asked to measure at the last step (`None`: the step was chosen
-    by the search); `last_blocked` is true when the loss budget shortened the step's drafts (to none, at worst).
+    by the search); `last_probe` is true when the step measures the option the optimistic search preferred;
+    `last_blocked` is true when the loss budget shortened the step's drafts (to none, at worst).
     """
 
     name = "goodput"
@@ -106,9 +107,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self._requested = torch.zeros(0, dtype=torch.long)  # [rows] the step's requested draft lengths
         self.budget = LossBudget(s.loss_budget)
         self.catchup = CatchupCost(s.window)
-        self.undrafted_streak = 0  # steps since the draft last ran (plain or copying steps)
-        self.probe_backoff = 1  # probes wait `probe_interval * probe_backoff` steps; doubles per failed probe
-        self._probing = False
+        self.last_probe = False
         self.last_exploration: int | None = None
         self.last_blocked = False
         self.draft_ratio: float | None = None  # draft/target parameter ratio, from the prefill
@@ -120,8 +119,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.copy_acceptance.reset(num_rows)
         if self.stopper is not None:
             self.stopper.reset(num_rows)
-        # The loss budget and the count of plain steps since the last draft span every call the policy serves:
-        # calls shorter than `probe_interval` would otherwise never probe again once drafting stopped paying.
+        # The loss budget and the pooled acceptance estimates span every call the policy serves.
 
     def forget_rows(self, row_ids: torch.LongTensor) -> None:
         for estimator in (self.acceptance, self.lookup_acceptance, self.copy_acceptance):
@@ -158,7 +156,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def _choose(self, request: PolicyInput) -> torch.LongTensor:
         batch, max_k = request.batch_size, request.max_draft_tokens
         caps = (request.remaining_tokens.cpu() - 1).clamp(min=0, max=max_k)  # [batch]
-        self.last_exploration, self.last_blocked, self._free, self._probing = None, False, None, False
+        self.last_exploration, self.last_blocked, self._free, self.last_probe = None, False, None, False
         self._copying = self._copies(request)
         self._confidence = request.free_confidence.cpu().double() if request.free_confidence is not None else None
         if batch == 0 or max_k == 0:
@@ -181,53 +179,15 @@ class GoodputPolicy(DraftLengthPolicy):
             # catch-up again at the next attempt): decide as if the measurement were made.
             self.last_exploration, self.last_blocked = None, False
         lengths, self._free = self._search(request, caps, catchup, optimistic=False)
-        if self._runs_the_proposer(request, lengths, self._free):
-            self.undrafted_streak = 0
-        else:
-            self.undrafted_streak += 1
-            interval = self.settings.probe_interval * self.probe_backoff
-            if self.settings.probe_interval and self.undrafted_streak >= interval:
-                probe, free = self._search(request, caps, catchup, optimistic=True)
-                runs = self._runs_the_proposer(request, probe, free)
-                if runs and self.undrafted_streak >= interval * self._probe_weight(request, probe, free, catchup):
-                    self.undrafted_streak = 0
-                    lengths, self._free, self._probing = probe, free, True
+        probe = self._worth_measuring(request, caps, catchup, (lengths, self._free))
+        if probe is not None:
+            (lengths, self._free), self.last_probe = probe, True
         if self.marginal and request.free_lengths is None and bool((lengths > 0).any()):
             lengths = caps.clone()  # the marginal stop decides where each row's draft ends
         lengths = self._within_budget(request, lengths, catchup)
         if not bool((lengths > 0).any()):
-            self._free, self._probing = None, False  # a probe the budget stopped is no probe: the next step decides
+            self._free, self.last_probe = None, False  # a probe the budget stopped is no probe: the next step decides
         return lengths
-
-    @staticmethod
-    def _runs_the_proposer(request: PolicyInput, lengths: torch.LongTensor, free: torch.BoolTensor | None) -> bool:
-        """Whether a step of `lengths` (`free`: its rows served by model-free proposals) runs the proposer whose
-        acceptance probes re-measure: the draft model where there is one, else the model-free source. A step that
-        only copies leaves the draft's estimate as stale as a plain step does, so it counts toward the next probe:
-        while copies keep winning part of an answer, the draft is still tried again where it might win the rest."""
-        drafted = lengths > 0  # [batch]
-        if free is not None and request.backlog is not None:
-            drafted = drafted & ~free
-        return bool(drafted.any())
-
-    def _probe_weight(
-        self, request: PolicyInput, lengths: torch.LongTensor, free: torch.BoolTensor | None, catchup: float
-    ) -> float:
-        """How many plain steps a probe of `lengths` is expected to lose (at least 1): its price, catch-up included,
-        less what it emits at the rows' mean acceptance, in plain steps at measured costs. A probe waits that many
-        times `probe_interval * probe_backoff` plain steps, so probing spends about the same share of the time
-        whatever a probe costs: one that first has to catch the draft up on a prompt waits for as many plain steps
-        as that catch-up costs."""
-        if not bool((lengths > 0).any()):
-            return 1.0
-        batch, rows = request.batch_size, request.row_ids
-        plain = self._plain_seconds(batch)
-        acceptance = self.acceptance.mean(rows)  # [batch]
-        if free is not None:
-            acceptance = torch.where(free, self._lookup_estimate(rows, None), acceptance)
-        emitted = float(expected_tokens(acceptance, lengths).sum()) / batch  # in plain steps' worth of tokens
-        price = self._price(batch, lengths, free, catchup, model=self._booking_model())
-        return max(1.0, price / plain - emitted)
 
     def _could_pay(self, request: PolicyInput, caps: torch.LongTensor) -> bool:
         """Whether drafting could beat plain steps at optimistic acceptance if verifying cost no more than a plain
@@ -276,10 +236,6 @@ class GoodputPolicy(DraftLengthPolicy):
         if feedback.batch_size:
             done, spent = self._booked(feedback, proposed, accepted, free)
             self.budget.record(done, spent)
-            if self._probing:
-                # a probe that lost against plain steps makes the next one wait twice as long (at most 64 times)
-                self.probe_backoff = min(2 * self.probe_backoff, MAX_PROBE_BACKOFF) if spent > done else 1
-                self._probing = False
 
     def _booked(
         self, feedback: StepFeedback, proposed: torch.LongTensor, accepted: torch.LongTensor, free: torch.Tensor | None
@@ -545,6 +501,34 @@ class GoodputPolicy(DraftLengthPolicy):
             options, key=lambda option: self._rate(request.batch_size, option, by_draft, by_lookup, share, model)
         )
 
+    def _worth_measuring(
+        self, request: PolicyInput, caps: torch.LongTensor, catchup: float, chosen: Option
+    ) -> Option | None:
+        """The option the search prefers at optimistic acceptance, when measuring it now is expected to repay its
+        cost (catch-up included) over the tokens the measurement informs (`hf_dynspec.policies.measuring`)."""
+        probe = self._search(request, caps, catchup, optimistic=True)
+        if same_option(probe, chosen) or not bool((probe[0] > 0).any()):
+            return None
+        batch, rows = request.batch_size, request.row_ids
+        model = self._catchup_model() if catchup > 0 else self.cost_model
+
+        def seconds(option: Option, due: float) -> float:  # `due`: the catch-up a step running the draft pays
+            return self._price(batch, option[0], option[1], due, model=model, as_searched=True)
+
+        def tokens(option: Option, z_draft: float, z_free: float) -> float:  # expected, at pooled deviations
+            lengths, free = option
+            by_draft = self.acceptance.shifted(rows, z_draft)
+            if free is not None and request.free_lengths is not None:
+                by_draft = torch.where(free, self._lookup_estimate(rows, z_free, pooled=True), by_draft)
+            return float(expected_tokens(by_draft, lengths).sum())
+
+        emitted, kept = tokens(probe, 0.0, 0.0), tokens(chosen, 0.0, 0.0)
+        cost = seconds(probe, catchup) - seconds(chosen, catchup) - (emitted - kept) * seconds(chosen, 0.0) / kept
+        gain = expected_improvement((seconds(chosen, 0.0), seconds(probe, 0.0)),
+                                    lambda i, z_draft, z_free: tokens((chosen, probe)[i], z_draft, z_free))
+        informed = informed_tokens(float(request.remaining_tokens.sum()), emitted, self.settings.acceptance_decay)
+        return probe if informed * gain > cost else None
+
     def _catchup_model(self) -> StepCostModel:
         """The costs a step that first pays the draft's catch-up is decided at: the measured ones (the booking
         model) once the draft has been timed, else the policy's.
@@ -569,11 +553,14 @@ class GoodputPolicy(DraftLengthPolicy):
             return torch.zeros(request.batch_size, dtype=torch.bool)
         return anchors.cpu() >= least
 
-    def _lookup_estimate(self, rows: torch.LongTensor, z: float | None) -> torch.Tensor:
+    def _lookup_estimate(self, rows: torch.LongTensor, z: float | None, pooled: bool = False) -> torch.Tensor:
         """`[batch]` acceptance of each row's lookup continuation: the copy estimate for rows that copy, the lookup
-        estimate for the others; posterior means, or `z` standard deviations above them."""
+        estimate for the others; posterior means, or `z` standard deviations above them (of each row's posterior, or
+        with `pooled` of the source's: `AcceptanceEstimator.shifted`)."""
         def estimate(estimator: AcceptanceEstimator) -> torch.Tensor:
-            return estimator.mean(rows) if z is None else estimator.upper(rows, z)
+            if z is None:
+                return estimator.mean(rows)
+            return estimator.shifted(rows, z) if pooled else estimator.upper(rows, z)
 
         copying = self._copying if self._copying.shape == rows.shape else torch.zeros(rows.shape, dtype=torch.bool)
         by_copy, by_lookup = estimate(self.copy_acceptance), estimate(self.lookup_acceptance)

@@ -42,12 +42,11 @@ class GoodputSettings:
     confirm_samples: int = field(
         default=3, metadata={"help": "Online costs: samples before a knot may cost more than its neighbours predict."}
     )
-    probe_interval: int = field(
-        default=32,
-        metadata={"help": "After this many steps without the draft (plain or copying; times the plain steps a probe "
-                  "is expected to lose), try once with optimistic acceptance (0 disables)."},
+    probe_z: float = field(
+        default=2.0,
+        metadata={"help": "Standard deviations added to acceptance by the optimistic search, which names the option "
+                  "worth measuring (and the rows an online cost model may explore)."},
     )
-    probe_z: float = field(default=2.0, metadata={"help": "Standard deviations added to acceptance when probing."})
     confidence_z: float = field(
         default=1.0,
         metadata={"help": "Standard deviations taken off acceptance when judging whether speculation repays a step "
@@ -110,7 +109,6 @@ class GoodputSettings:
         _check_number("confidence_z", self.confidence_z, 0.0)
         _check_number("tree_slack", self.tree_slack, 0.0)
         check_int("stale_after", self.stale_after, 1)
-        check_int("probe_interval", self.probe_interval, 0)
         LossBudget(self.loss_budget)  # validates
         stop = self.early_stop
         if stop is not None and stop != MARGINAL_STOP and not isinstance(stop, (bool, dict)):
