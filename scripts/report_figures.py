@@ -87,6 +87,8 @@ ENVELOPE = {s: f"default_envelope/{s}_b1_48.json" for s in ("tools", "agent", "c
 FOLLOWUPS_AMX = "default_envelope/followups_b1_48_amx.json"
 ENVELOPE_HE_B16, ENVELOPE_SG_B16 = "default_envelope/humaneval_b1_b16_48.json", "default_envelope/sharegpt_b16_48.json"
 SERVE_TOOLS = "default_envelope/serve_tools_light_48.json"
+HELD_OUT = {s: f"default_choice/{s}_heldout_b1_{n}_amx.json" for s, n in (("followups", 96), ("sharegpt", 48))}
+HELD_OUT_B16 = "default_choice/humaneval_heldout_b16_48_amx.json"
 TREE_HE, TREE_SG, TREE_B16 = "tree_humaneval_b1_128.json", "tree_judge_sharegpt_b1.json", "tree_humaneval_b16.json"
 OFFLOAD_AMX = ("offload_b1_1df3d22.json", "offload_b1_1df3d22_rerun.json", "offload_b1_a92c57e.json")
 OFFLOAD_AMX_HELDOUT, OFFLOAD_AMD = "offload_b1_heldout_a92c57e.json", "offload_b1_af38490.json"
@@ -101,9 +103,6 @@ PRESET_TREE, HF_ROWMAJOR = "dynspec-tree:32:40", "hf-assisted+rowmajor"
 CHEAP_HE, CHEAP_SG = "cheap_draft_bf16_humaneval_b1.json", "cheap_draft_bf16_sharegpt_b1.json"
 CHEAP_FP32, CHEAP_FP32_AMX = "cheap_draft_fp32_b1.json", "cheap_draft_fp32_b1_amx.json"
 VOCABULARY = ("bf16_humaneval_b1_vocab.json", "bf16_sharegpt_b1_vocab.json")
-FP32 = {"humaneval": ("fp32_humaneval_b1.json", "fp32_humaneval_b16.json"),
-        "sharegpt": ("fp32_sharegpt_b1.json", "fp32_sharegpt_b16.json")}
-XEON_FP32_OFFLOAD = "avx512_fp32_offload_b1_f04d072.json"
 XEON_FP32, AVX2_B1, AVX2_B16 = "avx512_fp32_humaneval_4581287.json", "avx2_humaneval_b1.json", "avx2_humaneval_b16.json"
 AVX2_PROFILES = {"off": "avx2_fp32_narrow_off.json", "auto": "avx2_fp32_narrow_auto.json"}
 ROLLOUT_512, ROLLOUT_256 = "rollout_512_bf16_amx_measured.json", "rollout_256_bf16_amx_measured.json"
@@ -459,6 +458,15 @@ SECTIONS = [
                           for v in r["speedup_repetitions"]]))),
     Figure(REPORT, "built from Python's own sources) the default is the best, {} the draft alone",
            lambda: (x(speed(FOLLOWUPS_AMX, "dynspec-goodput", "dynspec-draft")),)),
+    Figure(REPORT, "Held out, the default is {} the draft alone on follow-ups and {} on ShareGPT; at batch 16 on "
+                   "held-out HumanEval {}",
+           lambda: (*(x(speed(HELD_OUT[s], "dynspec-goodput", "dynspec-draft")) for s in ("followups", "sharegpt")),
+                    x(speed(HELD_OUT_B16, "dynspec-goodput", "dynspec-draft", 16)))),
+    Figure(REPORT, "held out (Intel Xeon with AMX): follow-ups {} the best, ShareGPT {}, batch 16 HumanEval {} the draft "
+                   "alone",
+           lambda: (*(x(speed(HELD_OUT[s], "dynspec-goodput") / envelope_best(HELD_OUT[s]))
+                      for s in ("followups", "sharegpt")),
+                    x(speed(HELD_OUT_B16, "dynspec-goodput", "dynspec-draft", 16)))),
     Figure(REPORT, "on ShareGPT and HumanEval, with few copies, all four are within {}",
            lambda: (pct(max(envelope_spread(k) for k in ("sharegpt", "humaneval"))),)),
     Figure(REPORT, "{} plain against {}, [ShareGPT](benchmarks/default_envelope/sharegpt_b16_48.json) {} against {})",
@@ -502,23 +510,9 @@ SECTIONS = [
            lambda: (x(speed(CHEAP_FP32_AMX, "dynspec-goodput/4bit", "dynspec-goodput/fp32"), 3),)),
     Figure(REPORT, "and {} on the AMD EPYC, where the float32 draft never paid",
            lambda: (x(speed(CHEAP_FP32, "dynspec-goodput/4bit", "dynspec-goodput/fp32")),)),
-    Figure(REPORT, "`goodput` {} (HumanEval) and {} (ShareGPT) plain at batch 16, {} and {} at batch 1",
-           lambda: (*(x(speed(FP32[k][1], "dynspec-goodput")) for k in ("humaneval", "sharegpt")),
-                    *(x(speed(FP32[k][0], "dynspec-goodput")) for k in ("humaneval", "sharegpt")))),
-    Figure(REPORT, "(float32, HumanEval): `goodput` {} plain at batch 1 and {} at batch 16; offloaded, {} "
-                   "`hf-assisted+rowmajor`",
-           lambda: (x(speed(XEON_FP32, "dynspec-goodput", batch=1)), x(speed(XEON_FP32, "dynspec-goodput", batch=16)),
-                    x(speed(XEON_FP32_OFFLOAD, "dynspec-goodput@marginal:16", HF_ROWMAJOR)))),
     Figure(REPORT, "`static:2` accepted {} tokens per drafting row, the default {}: other rows",
            lambda: tuple(f"{run(ROLLOUT_512, m)['mean_accepted']:.2f}" for m in ("dynspec-static:2",
                                                                                   "dynspec-goodput"))),
-    Figure(REPORT, "verifying 2 tokens costs {} one ({} weight-first; 5 tokens {} one, not {})",
-           lambda: (x(profile_cost(AVX2_PROFILES["off"], 1, 2) / profile_cost(AVX2_PROFILES["off"], 1, 1)),
-                    x(profile_cost(AVX2_PROFILES["auto"], 1, 2) / profile_cost(AVX2_PROFILES["auto"], 1, 1)),
-                    x(profile_cost(AVX2_PROFILES["auto"], 1, 5) / profile_cost(AVX2_PROFILES["auto"], 1, 1)),
-                    x(profile_cost(AVX2_PROFILES["off"], 1, 5) / profile_cost(AVX2_PROFILES["off"], 1, 1)))),
-    Figure(REPORT, "so speculation rarely pays: `goodput` {} plain at batch 1, {} at batch 16",
-           lambda: (x(speed(AVX2_B1, "dynspec-goodput")), x(speed(AVX2_B16, "dynspec-goodput")))),
     Figure(REPORT, "on its own rows {})", lambda: (span(rollout_same_lengths(ROLLOUT_512, "dynspec-nospec")),)),
     Figure(REPORT, "At 256 new tokens the default is the best method: {} `nospec` at the same lengths",
            lambda: (span(rollout_same_lengths(ROLLOUT_256, "dynspec-goodput")),)),
