@@ -43,7 +43,7 @@ from ..estimators import (
 )
 from .base import DraftLengthPolicy, PolicyInput, PrefillFeedback, StepFeedback
 from .goodput_settings import MARGINAL_STOP, GoodputSettings, build_cost_model, build_stopper
-from .measuring import Option, expected_improvement, informed_tokens, same_option
+from .measuring import QUADRATURE, Option, expected_improvement, informed_tokens, node_acceptances, same_option
 from .search import best_draft_lengths
 
 MARGINAL_HORIZON = 8
@@ -515,17 +515,24 @@ class GoodputPolicy(DraftLengthPolicy):
         def seconds(option: Option, due: float) -> float:  # `due`: the catch-up a step running the draft pays
             return self._price(batch, option[0], option[1], due, model=model, as_searched=True)
 
-        def tokens(option: Option, z_draft: float, z_free: float) -> float:  # expected, at pooled deviations
-            lengths, free = option
-            by_draft = self.acceptance.shifted(rows, z_draft)
-            if free is not None and request.free_lengths is not None:
-                by_draft = torch.where(free, self._lookup_estimate(rows, z_free, pooled=True), by_draft)
-            return float(expected_tokens(by_draft, lengths).sum())
+        nodes = len(QUADRATURE)
+        by_draft = node_acceptances(lambda z: self.acceptance.shifted(rows, z))  # [nodes, batch]
+        by_free = None if request.free_lengths is None else node_acceptances(
+            lambda z: self._lookup_estimate(rows, z, pooled=True))  # [nodes, batch]
 
-        emitted, kept = tokens(probe, 0.0, 0.0), tokens(chosen, 0.0, 0.0)
-        cost = seconds(probe, catchup) - seconds(chosen, catchup) - (emitted - kept) * seconds(chosen, 0.0) / kept
-        gain = expected_improvement((seconds(chosen, 0.0), seconds(probe, 0.0)),
-                                    lambda i, z_draft, z_free: tokens((chosen, probe)[i], z_draft, z_free))
+        def tokens(option: Option) -> torch.Tensor:  # [nodes, nodes] expected, draft nodes by model-free nodes
+            lengths, free = option
+            acceptance = by_draft.unsqueeze(1).expand(nodes, nodes, batch)
+            if free is not None and by_free is not None:
+                acceptance = torch.where(free, by_free.unsqueeze(0), acceptance)
+            flat = expected_tokens(acceptance.reshape(-1), lengths.repeat(nodes * nodes))
+            return flat.reshape(nodes, nodes, batch).sum(dim=2)
+
+        kept, measured = tokens(chosen), tokens(probe)
+        middle = nodes // 2  # the node at the mean
+        emitted, rate = float(measured[middle, middle]), float(kept[middle, middle]) / seconds(chosen, 0.0)
+        cost = seconds(probe, catchup) - seconds(chosen, catchup) - (emitted - float(kept[middle, middle])) / rate
+        gain = expected_improvement((seconds(chosen, 0.0), seconds(probe, 0.0)), kept, measured)
         informed = informed_tokens(float(request.remaining_tokens.sum()), emitted, self.settings.acceptance_decay)
         return probe if informed * gain > cost else None
 

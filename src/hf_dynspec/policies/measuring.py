@@ -34,17 +34,20 @@ def same_option(one: Option, other: Option) -> bool:
     return torch.equal(free[0] & (one[0] > 0), free[1] & (other[0] > 0))
 
 
-def expected_improvement(steady: tuple[float, float], tokens: Callable[[int, float, float], float]) -> float:
+def expected_improvement(steady: tuple[float, float], chosen: torch.Tensor, other: torch.Tensor) -> float:
     """`E[max(0, 1 / r_chosen(a) - 1 / r_other(a))]`: the seconds per token the other option is expected to save once
-    known to be better. `steady`: both options' step seconds without catch-up; `tokens(i, z_draft, z_free)`: option
-    `i`'s (0 chosen, 1 other) expected tokens with the draft model's acceptance `z_draft` pooled deviations from its
-    mean and the model-free sources' `z_free`. The two are independent: what is known of one says nothing of the
-    other (moved together, copies that might be better hide a draft that might be better)."""
-    return sum(
-        draft_weight * free_weight * max(0.0, steady[0] / tokens(0, z_draft, z_free) - steady[1] / tokens(1, z_draft, z_free))
-        for z_draft, draft_weight in QUADRATURE
-        for z_free, free_weight in QUADRATURE
-    )
+    known to be better. `steady`: both options' step seconds without catch-up; `chosen`, `other`: `[nodes, nodes]`
+    their expected tokens with the draft model's acceptance at each node of `QUADRATURE` (rows) and the model-free
+    sources' at each node (columns). The two are independent: what is known of one says nothing of the other
+    (moved together, copies that might be better hide a draft that might be better)."""
+    weights = torch.tensor([weight for _, weight in QUADRATURE], dtype=torch.float64)
+    saved = (steady[0] / chosen - steady[1] / other).clamp(min=0.0)  # [nodes, nodes]
+    return float((weights.unsqueeze(1) * weights.unsqueeze(0) * saved).sum())
+
+
+def node_acceptances(shifted: Callable[[float], torch.Tensor]) -> torch.Tensor:
+    """`[nodes, batch]`: `shifted(z)` (`[batch]` acceptance `z` pooled deviations off) at each node of `QUADRATURE`."""
+    return torch.stack([shifted(z) for z, _ in QUADRATURE])
 
 
 def informed_tokens(remaining: float, emitted: float, decay: float) -> float:
