@@ -335,6 +335,9 @@ GOALS = [
                           for m in ("dynspec-hybrid", "dynspec-suffix+draft"))))),
     Figure(REPORT, "| long tail: ≥ 1.2x `plain` | {} ([history](benchmarks/history.md#long-tail-bfloat16)) |",
            lambda: (x(speed(LONG_TAIL, "dynspec-goodput")),)),
+    Figure(REPORT, "with AVX2 only verifying 5 tokens costs {} one weight-first, not {}",
+           lambda: tuple(x(profile_cost(AVX2_PROFILES[k], 1, 5) / profile_cost(AVX2_PROFILES[k], 1, 1))
+                         for k in ("auto", "off"))),
     Figure(REPORT, "float32 with AVX2 only: {} at batch 1, {} at batch 16; Intel Xeon without AMX: {} and {}",
            lambda: (x(speed(AVX2_B1, "dynspec-goodput")), x(speed(AVX2_B16, "dynspec-goodput")),
                     x(speed(XEON_FP32, "dynspec-goodput", batch=1)), x(speed(XEON_FP32, "dynspec-goodput", batch=16)))),
