@@ -18,8 +18,9 @@ principles", maps each rule to its principle):
    (the draft's catch-up on a prompt) is priced before it is paid, at measured costs.
 4. **Measure what is unknown.** An online cost model asks for the lengths it has not timed, when they could pay and
    the budget allows; the option the search prefers at optimistic acceptance is measured when its expected
-   improvement over the call's remaining tokens exceeds what it loses now (catch-up included), so a source whose
-   estimate is low but uncertain (never measured, or measured long ago) is tried where it could still pay.
+   improvement over the tokens it informs (the rest of the call, and the estimate's memory past it) exceeds what it
+   loses now (catch-up included), so a source whose estimate is low but uncertain (never measured, or measured long
+   ago) is tried where it could still pay.
 """
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ class GoodputPolicy(DraftLengthPolicy):
     `best_draft_lengths`, with the draft's catch-up forward (when its backlog is too wide to ride in the first draft
     forward) added to the price of every vector that drafts. An online cost model may instead ask for one exploratory
     length (to measure a point it lacks). When the search at optimistic acceptance (`mean + probe_z * std`) prefers
-    another option, the step measures it instead if its expected improvement over the rest of the call is worth more
-    than it loses now (`_worth_measuring`), so no source stays unmeasured while it could be the better one.
+    another option, the step measures it instead if its expected improvement over the tokens the measurement informs
+    is worth more than it loses now (`_worth_measuring`), so no source stays unmeasured while it could be the better
+    one.
     Whatever the choice, a step that drafts runs only when `LossBudget.allows` it (see `hf_dynspec.budget`).
 
     With a hybrid proposer (`PolicyInput.free_lengths`), three vectors compete: prompt lookup alone (no draft forward),
