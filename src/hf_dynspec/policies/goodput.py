@@ -532,9 +532,10 @@ class GoodputPolicy(DraftLengthPolicy):
 
         kept, measured = tokens(chosen), tokens(probe)
         middle = nodes // 2  # the node at the mean
-        emitted, rate = float(measured[middle, middle]), float(kept[middle, middle]) / seconds(chosen, 0.0)
-        cost = seconds(probe, catchup) - seconds(chosen, catchup) - (emitted - float(kept[middle, middle])) / rate
-        gain = expected_improvement((seconds(chosen, 0.0), seconds(probe, 0.0)), kept, measured)
+        emitted, expected = float(measured[middle, middle]), float(kept[middle, middle])
+        steady = seconds(chosen, 0.0), seconds(probe, 0.0)
+        cost = seconds(probe, catchup) - seconds(chosen, catchup) - (emitted - expected) * steady[0] / expected
+        gain = expected_improvement(steady, kept, measured)
         informed = informed_tokens(float(request.remaining_tokens.sum()), emitted, self.settings.acceptance_decay)
         return probe if informed * gain > cost else None
 
